@@ -1,0 +1,1 @@
+"""Adapter methods behind one interface; see `base.Method`."""

@@ -1,0 +1,35 @@
+"""Build the torch Llama for a handle: weights -> modules, adapters wrapped around their targets.
+
+This is where weight types meet the forward: a floating tensor becomes `Dense`, an NF4 weight its
+packed projection, and each adapter target is wrapped by its method. The forward itself
+(`llama.py`) never sees the difference.
+"""
+import torch
+from torch import nn
+
+from . import names
+from .llama import Block, Dense, Llama, RMSNorm
+
+
+def weight_module(weight) -> nn.Module:
+    if isinstance(weight, torch.Tensor):
+        return Dense(weight)
+    return weight.module()  # packed weights provide their own projection/embedding module
+
+
+def build(config, weights: dict, method=None, adapter_tensors: dict | None = None) -> Llama:
+    table = names.expected(config)
+    modules = {}
+    for name, (path, role, _) in table.items():
+        w = weights[name]
+        modules[name] = RMSNorm(w, config.rms_eps) if role == "norm" else weight_module(w)
+    if method is not None:
+        for target in method.config.targets:
+            modules[target] = method.wrap(target, modules[target], adapter_tensors)
+    layers = []
+    for i in range(config.n_layer):
+        per = {path.split(".")[-1]: modules[name] for name, (path, _, _) in table.items()
+               if name.startswith(f"blk.{i}.")}
+        layers.append(Block(config, per))
+    output = modules.get("output.weight")
+    return Llama(config, modules["token_embd.weight"], layers, modules["output_norm.weight"], output)

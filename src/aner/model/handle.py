@@ -1,0 +1,301 @@
+"""PretrainedModel: an immutable handle on a Llama, its storage, adapter and training state.
+
+Every selection and every training call returns a new handle; the source stays usable and
+bitwise unchanged. Frozen tensors (a base under an adapter) are shared between handles, never
+written; training works on private copies of what it updates and publishes them as a new handle.
+"""
+import hashlib
+from dataclasses import dataclass, replace
+
+import numpy as np
+import torch
+
+from ..errors import ConfigError, ResourceError, UnsupportedModelError
+from ..train.memory import MemorySummary, activation_bytes, admit
+from . import names
+from .build import build
+from .config import LlamaConfig
+
+BACKEND_NAME = "aner.llama-trainer/1"
+
+
+@dataclass(frozen=True)
+class Source:
+    """Identity of the floating GGUF a model was imported from."""
+    path: str                   # where it was read from (informational)
+    sha256: str                 # SHA-256 of the file's bytes
+    canonical_sha256: str       # over tensor names, shapes and FP32 values in canonical order
+    tokenizer_sha256: str       # over the tokenizer.* metadata
+    config: LlamaConfig
+    fields: tuple               # every metadata Field, carried to exports
+    metadata_path: str          # a GGUF holding these fields (the source, or a checkpoint's copy)
+
+
+def canonical_sha256(config, weights: dict) -> str:
+    h = hashlib.sha256(b"aner.canonical/1")
+    for name, (_, _, shape) in names.expected(config).items():
+        w = weights[name]
+        h.update(f"{name}:{tuple(shape)};".encode())
+        h.update(np.ascontiguousarray(w.detach().cpu().numpy(), dtype="<f4").tobytes())
+    return h.hexdigest()
+
+
+def check_device(device) -> str:
+    if device == "cpu":
+        return device
+    if isinstance(device, str) and device.startswith("cuda:") and device[5:].isdigit():
+        from ..train.device import require_cuda
+        require_cuda(device)
+        return device
+    raise ConfigError(f"device={device!r} is not supported; accepted: 'cpu' or 'cuda:N'")
+
+
+class PretrainedModel:
+    """See `aner.gen.import_model`. Methods mirror the seed's `gen.pretrained_*` operations."""
+
+    def __init__(self, *, source: Source, weights: dict, device: str, budget: int, storage="float32",
+                 method=None, adapter_tensors=None, state=None, lineage=(), lineage_examples=frozenset(),
+                 profile=None):
+        self._source = source
+        self._weights = weights            # name -> FP32 tensor (or packed weight); never mutated
+        self._device = device
+        self._budget = budget
+        self._storage = storage
+        self._method = method              # adapters.base.Method or None (full)
+        self._adapter_tensors = adapter_tensors or {}
+        self._state = state                # train.loop.TrainState or None
+        self._lineage = tuple(lineage)     # SHA-256 of every training set this model has learned from
+        self._lineage_examples = frozenset(lineage_examples)
+        self._profile = profile
+        self._module = None
+
+    def _derive(self, **changes) -> "PretrainedModel":
+        kw = dict(source=self._source, weights=self._weights, device=self._device, budget=self._budget,
+                  storage=self._storage, method=self._method, adapter_tensors=self._adapter_tensors,
+                  state=self._state, lineage=self._lineage, lineage_examples=self._lineage_examples,
+                  profile=self._profile)
+        kw.update(changes)
+        return PretrainedModel(**kw)
+
+    # ---- inspection -------------------------------------------------------------------------
+    def config(self) -> LlamaConfig:
+        return self._source.config
+
+    def method(self) -> str:
+        return "full" if self._method is None else self._method.config.method
+
+    def storage(self) -> str:
+        return self._storage
+
+    def device(self) -> str:
+        return self._device
+
+    def parameter_names(self) -> list[str]:
+        return list(names.expected(self._source.config))
+
+    def parameters(self) -> int:
+        return sum(int(np.prod(s)) for _, _, s in names.expected(self._source.config).values())
+
+    def _trainable_names(self) -> list[str]:
+        if self._method is None:
+            return self.parameter_names() if self._storage == "float32" else []
+        suffixes = self._method.trainable()
+        return [n for n in self._adapter_tensors if n.rsplit(".", 1)[-1] in suffixes or n in suffixes]
+
+    def trainable_parameters(self) -> int:
+        if self._method is None:
+            return self.parameters() if self._storage == "float32" else 0
+        return sum(self._adapter_tensors[n].numel() for n in self._trainable_names())
+
+    def updates(self) -> int:
+        return self._state.updates if self._state else 0
+
+    def scored_tokens(self) -> int:
+        return self._state.scored_tokens if self._state else 0
+
+    def validation_loss(self) -> float:
+        if self._state is None or self._state.validation_loss is None:
+            raise ConfigError("this model has no validation loss: it has not been trained; "
+                              "call fine_tune(...) first")
+        return self._state.validation_loss
+
+    def source_sha256(self) -> str:
+        return self._source.sha256
+
+    def summary(self) -> str:
+        from ..gen import training_backend
+        rank = self._method.config.rank if self._method is not None else 0
+        return (f"Native pretrained Llama; backend={training_backend()}; device={self._device}; "
+                f"parameters={self.parameters()}; trainable={self.trainable_parameters()}; "
+                f"method={self.method()}; storage={self._storage}; lora_rank={rank}; "
+                f"updates={self.updates()}; scored_tokens={self.scored_tokens()}; "
+                f"source_sha256={self._source.sha256}")
+
+    def __repr__(self):
+        return f"<PretrainedModel {self.summary()}>"
+
+    def memory_summary(self) -> MemorySummary:
+        floating = sum(w.numel() * 4 for w in self._weights.values() if isinstance(w, torch.Tensor))
+        packed = sum(w.nbytes() for w in self._weights.values() if not isinstance(w, torch.Tensor))
+        trainable_names = set(self._trainable_names())
+        adapter = sum(t.numel() * 4 for n, t in self._adapter_tensors.items() if n in trainable_names)
+        frozen = sum(t.numel() * 4 for n, t in self._adapter_tensors.items() if n not in trainable_names)
+        trainable = adapter if self._method is not None else (floating if self._storage == "float32" else 0)
+        optimizer = sum(m.numel() * 4 + v.numel() * 4 for m, v in self._state.moments.values()) \
+            if self._state else 0
+        return MemorySummary(
+            weight_bytes=floating + packed, floating_base_bytes=floating, packed_base_bytes=packed,
+            adapter_bytes=adapter, frozen_adapter_bytes=frozen, trainable_bytes=trainable,
+            optimizer_bytes=optimizer, dequant_tile_bytes=self._dequant_tile_bytes(),
+            estimated_budget_bytes=self._budget, compute_dtype="float32", storage=self._storage)
+
+    def _dequant_tile_bytes(self) -> int:
+        return 0 if self._storage == "float32" else 4 << 20
+
+    # ---- running the model ------------------------------------------------------------------
+    def module(self):
+        """The torch Llama of this handle (built once, cached; its tensors must not be changed)."""
+        if self._module is None:
+            self._module = build(self._source.config, self._weights, self._method, self._adapter_tensors)
+        return self._module
+
+    @torch.no_grad()
+    def logits(self, tokens) -> np.ndarray:
+        """FP32 logits of every position of one token sequence: (len(tokens), vocabulary)."""
+        tokens = list(tokens)
+        c = self._source.config
+        if not tokens or len(tokens) > c.context_length:
+            raise ConfigError(f"tokens has {len(tokens)} entries; accepted: 1..{c.context_length}")
+        if any(not isinstance(t, (int, np.integer)) or not 0 <= t < c.vocab_size for t in tokens):
+            raise ConfigError(f"tokens must be integers in 0..{c.vocab_size - 1}")
+        x = torch.tensor([tokens], dtype=torch.long, device=self._device)
+        return self.module()(x)[0].cpu().numpy()
+
+    # ---- selections -------------------------------------------------------------------------
+    def _require_unchanged(self, what: str) -> None:
+        if self._method is not None:
+            raise ConfigError(f"{what} is refused: this model already has a {self.method()} adapter "
+                              "(adapters are not silently reconfigured); select it on the imported base")
+        if self._state is not None:
+            raise ConfigError(f"{what} is refused: this model's full weights were trained; save it with "
+                              "save_model(...) and import that file as a new base first")
+
+    def _select(self, method_cls, config) -> "PretrainedModel":
+        method = method_cls(config)
+        tensors = {k: v.to(self._device) for k, v in method.init(self._dense_targets(config.targets)).items()}
+        return self._derive(method=method, adapter_tensors=tensors, state=None)
+
+    def _dense_targets(self, targets) -> dict:
+        return {t: (w if isinstance(w, torch.Tensor) else w.dequantize()).cpu()
+                for t, w in self._weights.items() if t in targets}
+
+    def _shapes(self) -> dict:
+        return {n: tuple(s) for n, (_, _, s) in names.expected(self._source.config).items()}
+
+    def lora(self, targets=None, rank=8, alpha=16.0, seed=0) -> "PretrainedModel":
+        return self._adapter("lora", targets, rank, alpha, seed)
+
+    def _adapter(self, kind, targets, rank, alpha, seed, **extra) -> "PretrainedModel":
+        from ..adapters import registry
+        self._require_unchanged(f"{kind} selection")
+        config = registry.config(kind, targets, rank, alpha, seed, self._source.config, self._shapes(), **extra)
+        return self._select(registry.METHODS[kind], config)
+
+    # ---- training ---------------------------------------------------------------------------
+    def _check_data(self, training, validation):
+        from ..data.supervised import TrainingData
+        for data, role in ((training, "training"), (validation, "validation")):
+            if not isinstance(data, TrainingData):
+                raise ConfigError(f"{role} data must come from gen.supervised_csv; got {type(data).__name__}")
+            if data.role() != role:
+                raise ConfigError(f"{role} data has role={data.role()!r}; accepted: role={role!r}")
+            if data.tokenizer_sha256 != self._source.tokenizer_sha256:
+                raise ConfigError(f"{role} data was prepared with tokenizer {data.tokenizer_sha256[:12]}…; this "
+                                  f"model's tokenizer is {self._source.tokenizer_sha256[:12]}…; prepare it again "
+                                  "with this model")
+        seen = training.example_hashes() | self._lineage_examples
+        overlap = [i + 1 for i, e in enumerate(validation.items) if e.sha256() in seen]
+        if overlap:
+            raise ConfigError(f"validation example(s) {overlap[:10]} also appear exactly in this run's "
+                              "training data or the model's training lineage; choose disjoint rows")
+
+    def _admit_training(self, micro_batch: int, context: int) -> None:
+        m = self.memory_summary()
+        grads_and_moments = 3 * m.trainable_bytes
+        needed = m.weight_bytes + m.adapter_bytes + m.frozen_adapter_bytes + grads_and_moments \
+            + activation_bytes(self._source.config, micro_batch, context) + m.dequant_tile_bytes
+        if self._method is None and self._storage == "float32":
+            needed += m.floating_base_bytes  # the private copy that training updates
+        admit("training", needed, self._budget)
+
+    def fine_tune(self, training, validation, steps, micro_batch=1, accumulation=1, rate=2e-4, seed=0,
+                  clip_norm=1.0, progress=None) -> "PretrainedModel":
+        """Start a new optimizer run of `steps` updates; return the trained model (self unchanged)."""
+        from ..train.loop import RunConfig, TrainState, check_steps
+        steps = check_steps(steps)
+        run = RunConfig(micro_batch, accumulation, rate, seed, clip_norm)
+        if self._method is None and self._storage != "float32":
+            raise ConfigError(f"full fine-tuning of a {self._storage} base is refused: a packed base is "
+                              "frozen; select an adapter first (lora, rs_lora, lora_fa, tinylora)")
+        self._check_data(training, validation)
+        state = TrainState(run, training.sha256(), validation.sha256())
+        return self._train(training, validation, state, steps, progress)
+
+    def resume(self, training, validation, steps, progress=None) -> "PretrainedModel":
+        """Continue the saved optimizer run exactly; the data must be the run's data."""
+        from ..train.loop import check_steps
+        steps = check_steps(steps)
+        if self._state is None:
+            raise ConfigError("resume needs a trained model or a loaded checkpoint; use fine_tune to start")
+        self._check_data(training, validation)
+        if training.sha256() != self._state.training_sha256 or validation.sha256() != self._state.validation_sha256:
+            raise ConfigError("resume needs the run's exact data: training sha256 "
+                              f"{self._state.training_sha256[:12]}…, validation {self._state.validation_sha256[:12]}…; "
+                              "got other data (changing data starts a new fine_tune run)")
+        return self._train(training, validation, self._state, steps, progress)
+
+    def _train(self, training, validation, state, steps, progress, on_update=None) -> "PretrainedModel":
+        from ..train.loop import run
+        self._admit_training(state.run.micro_batch, max(len(e.tokens) for e in training.items))
+        weights, tensors = self._weights, self._adapter_tensors
+        if self._method is None:
+            weights = {n: w.detach().clone().requires_grad_(True) for n, w in weights.items()}
+            trainable = weights
+        else:
+            tensors = {n: t.detach().clone() for n, t in tensors.items()}
+            trainable = {n: tensors[n].requires_grad_(True) for n in self._trainable_names()}
+        state = replace(state, moments={n: (m.clone(), v.clone()) for n, (m, v) in state.moments.items()})
+        model = build(self._source.config, weights, self._method, tensors)
+        state = run(model, tensors, trainable, self._method, training, validation, state, steps,
+                    self._device, progress, on_update)
+        if self._method is None:
+            weights = {n: w.detach() for n, w in weights.items()}
+        tensors = {n: t.detach() for n, t in tensors.items()}
+        lineage = self._lineage if training.sha256() in self._lineage else self._lineage + (training.sha256(),)
+        return self._derive(weights=weights, adapter_tensors=tensors, state=state, lineage=lineage,
+                            lineage_examples=self._lineage_examples | training.example_hashes())
+
+    # ---- artifacts --------------------------------------------------------------------------
+    def checkpoint(self, path) -> str:
+        from ..formats.checkpoint import write_checkpoint
+        return write_checkpoint(self, path)
+
+    def save_model(self, path) -> str:
+        from ..formats.export import save_merged
+        return save_merged(self, path)
+
+    def save_adapter(self, directory):
+        from ..formats.export import save_adapter
+        return save_adapter(self, directory)
+
+    def merged_weights(self) -> dict:
+        """FP32 weights with every adapter delta folded in, one matrix at a time (CPU tensors)."""
+        adapter = {k: v.detach().cpu() for k, v in self._adapter_tensors.items()}
+        out = {}
+        for name in self.parameter_names():
+            w = self._weights[name]
+            w = (w if isinstance(w, torch.Tensor) else w.dequantize()).detach().cpu()
+            if self._method is not None and name in self._method.config.targets:
+                w = w + self._method.delta(name, adapter)
+            out[name] = w
+        return out

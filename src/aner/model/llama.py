@@ -1,0 +1,122 @@
+"""The Llama forward, read top-down: norm, RoPE, attention, MLP, block, model.
+
+Notation: B batch, T time, D model width, H query heads, K key/value heads, E head width (D/H),
+F feed-forward width, V vocabulary.
+
+This file knows nothing about files, adapters or quantization. Every matrix is reached through
+one interface: a projection module maps (..., in) -> (..., out); the embedding module also has
+`lookup(tokens)`. A dense weight (`Dense` below), a packed NF4 weight and an adapter-wrapped
+weight all implement it, and are swapped in by replacing the module at its path.
+
+Numerics follow llama.cpp's CPU graph so that FP32 logits agree to ~1e-5: RMSNorm is
+x * rsqrt(mean(x^2) + eps) then times its weight; RoPE rotates adjacent pairs (x[2i], x[2i+1])
+by pos * base^(-2i/E) (llama.cpp's "normal" mode, the layout GGUF stores Q/K in); attention is
+softmax(QK^T / sqrt(E)) V with query head h reading key/value head h // (H/K).
+"""
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import LlamaConfig
+
+
+class Dense(nn.Module):
+    """A floating weight used as a projection (x @ W^T) or as an embedding table (rows of W).
+
+    Weights are held as the very tensors the caller passes (no `nn.Parameter` copy of the
+    handle), so whoever owns them decides what is trainable and where gradients land.
+    """
+
+    def __init__(self, weight: torch.Tensor):
+        super().__init__()
+        self.weight = weight
+
+    def forward(self, x):
+        return F.linear(x, self.weight.to(x.dtype))
+
+    def lookup(self, tokens):
+        return F.embedding(tokens, self.weight)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, weight: torch.Tensor, eps: float):
+        super().__init__()
+        self.weight = weight
+        self.eps = eps
+
+    def forward(self, x):
+        x = x.float()  # norms run in FP32 under every precision policy
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+def rope_tables(config: LlamaConfig, T: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin of pos * base^(-2i/E), computed in float64 and rounded once to FP32. (T, E/2) each."""
+    E = config.head_dim
+    inv = config.rope_base ** (-torch.arange(0, E, 2, dtype=torch.float64) / E)
+    angles = torch.arange(T, dtype=torch.float64)[:, None] * inv[None, :]
+    return angles.cos().float().to(device), angles.sin().float().to(device)
+
+
+def apply_rope(x, cos, sin):
+    """Rotate adjacent pairs of the last dimension. x: (B, n, T, E); cos/sin: (T, E/2)."""
+    x = x.float()
+    x1, x2 = x[..., 0::2], x[..., 1::2]                      # (B, n, T, E/2)
+    out = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)  # (B, n, T, E/2, 2)
+    return out.flatten(-2)                                    # (B, n, T, E)
+
+
+class Block(nn.Module):
+    def __init__(self, config: LlamaConfig, modules: dict[str, nn.Module]):
+        super().__init__()
+        self.config = config
+        for name, module in modules.items():  # attn_norm, attn_q ... ffn_down (names.PER_LAYER)
+            self.add_module(name, module)
+
+    def attention(self, x, cos, sin):
+        c = self.config
+        B, T, _ = x.shape
+        q = self.attn_q(x).view(B, T, c.n_head, c.head_dim).transpose(1, 2)     # (B, H, T, E)
+        k = self.attn_k(x).view(B, T, c.n_kv_head, c.head_dim).transpose(1, 2)  # (B, K, T, E)
+        v = self.attn_v(x).view(B, T, c.n_kv_head, c.head_dim).transpose(1, 2)  # (B, K, T, E)
+        q, k = apply_rope(q, cos, sin).to(v.dtype), apply_rope(k, cos, sin).to(v.dtype)
+        # enable_gqa maps query head h to key/value head h // (H/K), as llama.cpp does.
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                           enable_gqa=c.n_kv_head != c.n_head)  # (B, H, T, E)
+        y = y.transpose(1, 2).reshape(B, T, c.dim)                               # (B, T, D)
+        return self.attn_output(y).float()
+
+    def mlp(self, x):
+        return self.ffn_down(F.silu(self.ffn_gate(x)) * self.ffn_up(x)).float()
+
+    def forward(self, x, cos, sin):
+        x = x + self.attention(self.attn_norm(x), cos, sin)
+        return x + self.mlp(self.ffn_norm(x))
+
+
+class Llama(nn.Module):
+    """tokens (B, T) -> logits (B, T, V) in FP32; the residual stream stays FP32."""
+
+    def __init__(self, config: LlamaConfig, tok_embd: nn.Module, layers: list[Block],
+                 output_norm: nn.Module, output: nn.Module | None):
+        super().__init__()
+        self.config = config
+        self.tok_embd = tok_embd
+        self.layers = nn.ModuleList(layers)
+        self.output_norm = output_norm
+        self.output = output  # None when the head is tied to tok_embd
+
+    def head(self) -> nn.Module:
+        return self.tok_embd if self.output is None else self.output
+
+    def hidden(self, tokens):
+        T = tokens.shape[1]
+        if T > self.config.context_length:
+            raise ValueError(f"sequence of {T} tokens exceeds the context of {self.config.context_length}")
+        cos, sin = rope_tables(self.config, T, tokens.device)
+        x = self.tok_embd.lookup(tokens).float()  # (B, T, D)
+        for layer in self.layers:
+            x = layer(x, cos, sin)
+        return self.output_norm(x)                 # (B, T, D)
+
+    def forward(self, tokens):
+        return self.head()(self.hidden(tokens)).float()  # (B, T, V)

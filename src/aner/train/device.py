@@ -1,0 +1,27 @@
+"""CUDA placement policy: explicit, deterministic, never a fallback to the CPU."""
+import os
+
+import torch
+
+from ..errors import ResourceError
+
+DETERMINISTIC_WORKSPACES = (":4096:8", ":16:8")
+
+
+def require_cuda(device: str) -> None:
+    """Refuse a CUDA device that is absent or not under the deterministic policy; enable the policy."""
+    if not torch.cuda.is_available():
+        raise ResourceError(f"device={device!r} needs CUDA, but this PyTorch build or machine has no CUDA "
+                            "device; there is no CPU fallback: use device='cpu' explicitly")
+    index = int(device.split(":", 1)[1])
+    if index >= torch.cuda.device_count():
+        raise ResourceError(f"device={device!r} does not exist; this machine has {torch.cuda.device_count()} "
+                            f"CUDA device(s): cuda:0..cuda:{torch.cuda.device_count() - 1}")
+    workspace = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
+    if workspace not in DETERMINISTIC_WORKSPACES:
+        raise ResourceError(f"CUBLAS_WORKSPACE_CONFIG={workspace!r}; deterministic CUDA training needs one of "
+                            f"{DETERMINISTIC_WORKSPACES} set before the process starts "
+                            "(e.g. CUBLAS_WORKSPACE_CONFIG=:4096:8)")
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False

@@ -1,0 +1,177 @@
+"""The update loop: seeded sample order, token-weighted loss over an accumulation window, AdamW.
+
+One step is one optimizer update. A window is `micro_batch * accumulation` examples taken in a
+seeded per-epoch permutation; a window never crosses an epoch boundary, so the last window of an
+epoch may be short (kept, never padded with repeated rows). The loss of a window is the sum of
+token cross-entropies over its scored tokens divided by the number of scored tokens in the whole
+window, so every scored token weighs the same whatever micro-batch it fell in.
+
+Everything a resumed run needs to replay an uninterrupted one bitwise is in `TrainState`: the
+moments, the counters and the cursor into the sample order (the order itself is a pure function of
+the seed and the epoch).
+"""
+import math
+import sys
+import time
+from dataclasses import dataclass, field, replace
+
+import torch
+import torch.nn.functional as F
+
+from ..adapters.base import seeded
+from ..errors import ConfigError, DataError
+from .optim import AdamW, clip_by_global_norm
+
+MAX_STEPS = 1_000_000
+MAX_MICRO_BATCH = 4096
+MAX_ACCUMULATION = 4096
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    micro_batch: int = 1
+    accumulation: int = 1
+    rate: float = 2e-4
+    seed: int = 0
+    clip_norm: float = 1.0
+
+    def __post_init__(self):
+        for name, hi in (("micro_batch", MAX_MICRO_BATCH), ("accumulation", MAX_ACCUMULATION)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= hi:
+                raise ConfigError(f"{name}={v!r} is outside the accepted range 1..{hi}")
+        if isinstance(self.rate, bool) or not isinstance(self.rate, (int, float)) \
+                or not (math.isfinite(self.rate) and 0 < self.rate <= 1):
+            raise ConfigError(f"rate={self.rate!r} is outside the accepted range (0, 1]")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**63:
+            raise ConfigError(f"seed={self.seed!r} is outside the accepted range 0..2^63-1")
+        if isinstance(self.clip_norm, bool) or not isinstance(self.clip_norm, (int, float)) \
+                or not (math.isfinite(self.clip_norm) and self.clip_norm >= 0):
+            raise ConfigError(f"clip_norm={self.clip_norm!r}; accepted: a finite number >= 0 (0 disables)")
+
+    def as_dict(self):
+        return {"micro_batch": self.micro_batch, "accumulation": self.accumulation,
+                "rate": self.rate, "seed": self.seed, "clip_norm": self.clip_norm}
+
+
+def check_steps(steps) -> int:
+    if isinstance(steps, bool) or not isinstance(steps, int) or not 1 <= steps <= MAX_STEPS:
+        raise ConfigError(f"steps={steps!r} is outside the accepted range 1..{MAX_STEPS}")
+    return steps
+
+
+@dataclass(frozen=True)
+class TrainState:
+    run: RunConfig
+    training_sha256: str
+    validation_sha256: str
+    updates: int = 0
+    scored_tokens: int = 0
+    cursor: int = 0                     # examples consumed since the run started
+    moments: dict = field(default_factory=dict)   # name -> (exp_avg, exp_avg_sq), FP32
+    validation_loss: float | None = None
+    losses: tuple[float, ...] = ()      # training loss of each committed update
+
+
+def order(seed: int, epoch: int, n: int) -> list[int]:
+    return torch.randperm(n, generator=seeded(seed, 0x5A4D, epoch)).tolist()
+
+
+def window(state: TrainState, n: int) -> list[int]:
+    """Indices of the examples of the next update's window."""
+    epoch, pos = divmod(state.cursor, n)
+    size = min(state.run.micro_batch * state.run.accumulation, n - pos)
+    return order(state.run.seed, epoch, n)[pos:pos + size]
+
+
+def batch(examples, device):
+    """Right-padded tokens, next-token targets and the scored mask. Each (B, T-1)."""
+    T = max(len(e.tokens) for e in examples)
+    tokens = torch.zeros(len(examples), T, dtype=torch.long)
+    mask = torch.zeros(len(examples), T, dtype=torch.bool)
+    for i, e in enumerate(examples):
+        tokens[i, :len(e.tokens)] = torch.tensor(e.tokens)
+        mask[i, e.prompt_len:len(e.tokens)] = True
+    # position t predicts token t+1; causal attention keeps padding (at the end) out of real positions
+    return tokens[:, :-1].to(device), tokens[:, 1:].to(device), mask[:, 1:].to(device)
+
+
+def summed_loss(model, examples, device) -> torch.Tensor:
+    """Sum of FP32 cross-entropy over the scored tokens of `examples`."""
+    inputs, targets, mask = batch(examples, device)
+    logits = model(inputs)                                   # (B, T-1, V) FP32
+    return F.cross_entropy(logits[mask], targets[mask], reduction="sum")
+
+
+@torch.no_grad()
+def evaluate(model, data, device) -> float:
+    """Token-weighted loss: total cross-entropy over all scored tokens / their count (float64 sum)."""
+    total = 0.0
+    for e in data.items:
+        total += float(summed_loss(model, [e], device))
+    return total / data.scored_tokens()
+
+
+def run(model, params: dict, trainable: dict, method, training, validation, state: TrainState,
+        steps: int, device, progress: bool | None = None, on_update=None) -> TrainState:
+    """Apply `steps` updates to `trainable` (leaf tensors inside `model`) in place; return the new state.
+
+    `params` is every tensor the method's preconditioner may read (adapter tensors).
+    `on_update(state)` is called after every committed update (jobs use it to stop and checkpoint);
+    returning False stops the run at that boundary.
+    """
+    optimizer = AdamW(state.run.rate)
+    moments = state.moments or {n: (torch.zeros_like(t), torch.zeros_like(t)) for n, t in trainable.items()}
+    n = training.examples()
+    bar = _Progress(steps) if (progress if progress is not None else sys.stderr.isatty()) else None
+    losses = list(state.losses)
+    for _ in range(steps):
+        idx = window(state, n)
+        examples = [training.items[i] for i in idx]
+        window_tokens = sum(e.scored for e in examples)
+        for t in trainable.values():
+            t.grad = None
+        window_loss = 0.0
+        for start in range(0, len(examples), state.run.micro_batch):
+            loss = summed_loss(model, examples[start:start + state.run.micro_batch], device)
+            if not torch.isfinite(loss):
+                raise DataError(f"the training loss became non-finite ({float(loss)}) at update "
+                                f"{state.updates + 1}; lower the rate")
+            (loss / window_tokens).backward()
+            window_loss += float(loss.detach())
+        grads = {name: t.grad for name, t in trainable.items()}
+        method_hook = getattr(method, "precondition", None)
+        if method_hook is not None:
+            method_hook(grads, params)
+        clip_by_global_norm(grads, state.run.clip_norm)
+        optimizer.step(trainable, grads, moments, state.updates + 1)
+        losses.append(window_loss / window_tokens)
+        state = replace(state, updates=state.updates + 1, scored_tokens=state.scored_tokens + window_tokens,
+                        cursor=state.cursor + len(examples), moments=moments, losses=tuple(losses))
+        if bar:
+            bar.update(losses[-1], window_tokens)
+        if on_update is not None and on_update(state) is False:
+            break
+    for t in trainable.values():
+        t.grad = None
+    if bar:
+        bar.close()
+    return replace(state, validation_loss=evaluate(model, validation, device))
+
+
+class _Progress:
+    """A one-line progress bar with loss and tokens/s, only when attached to a terminal."""
+
+    def __init__(self, total):
+        from tqdm import tqdm
+        self.bar = tqdm(total=total, unit="step", dynamic_ncols=True, leave=True)
+        self.tokens, self.start = 0, time.perf_counter()
+
+    def update(self, loss, tokens):
+        self.tokens += tokens
+        rate = self.tokens / max(time.perf_counter() - self.start, 1e-9)
+        self.bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{rate:.0f}")
+        self.bar.update(1)
+
+    def close(self):
+        self.bar.close()

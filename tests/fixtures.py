@@ -1,0 +1,102 @@
+"""Tiny random Llama GGUF files, written by the tests themselves.
+
+They borrow the embedded SmolLM2's tokenizer and chat template (metadata only), so llama.cpp loads
+them like a real model; everything else — shapes, weights, dtype, tied or untied head — is chosen
+here. Weights are random with a realistic scale so that logits are not degenerate.
+"""
+from dataclasses import dataclass
+
+import numpy as np
+from gguf import GGUFValueType
+
+from aner.formats.gguf import Field, bf16_bits, read_gguf, write_gguf
+from aner.model.config import LlamaConfig
+from aner.model import names
+
+
+@dataclass(frozen=True)
+class Shape:
+    n_layer: int = 2
+    dim: int = 64
+    n_head: int = 4
+    n_kv_head: int = 2
+    ffn_dim: int = 96
+    context_length: int = 256
+    tied: bool = True
+
+
+SMOLLM2 = Shape(n_layer=30, dim=576, n_head=9, n_kv_head=3, ffn_dim=1536, context_length=8192)
+
+
+def tokenizer_fields(source_gguf) -> list[Field]:
+    return [f for k, f in read_gguf(source_gguf).fields.items() if k.startswith("tokenizer.")]
+
+
+def write_random_llama(path, shape: Shape, tok_fields: list[Field], dtype="f32", seed=0,
+                       extra_fields=()):
+    """Write a random dense Llama GGUF. dtype: 'f32', 'f16' or 'bf16' for matrices; norms F32."""
+    vocab = len(next(f.value for f in tok_fields if f.key == "tokenizer.ggml.tokens"))
+    config = LlamaConfig(shape.n_layer, shape.dim, shape.n_head, shape.n_kv_head, shape.ffn_dim, vocab,
+                         shape.context_length, 1e-5, 10000.0, shape.tied)
+    u32, f32 = GGUFValueType.UINT32, GGUFValueType.FLOAT32
+    fields = [
+        Field("general.architecture", "llama", GGUFValueType.STRING),
+        Field("general.name", "aner-test-tiny", GGUFValueType.STRING),
+        Field("llama.block_count", shape.n_layer, u32),
+        Field("llama.context_length", shape.context_length, u32),
+        Field("llama.embedding_length", shape.dim, u32),
+        Field("llama.feed_forward_length", shape.ffn_dim, u32),
+        Field("llama.attention.head_count", shape.n_head, u32),
+        Field("llama.attention.head_count_kv", shape.n_kv_head, u32),
+        Field("llama.rope.freq_base", 10000.0, f32),
+        Field("llama.attention.layer_norm_rms_epsilon", 1e-5, f32),
+        Field("llama.rope.dimension_count", shape.dim // shape.n_head, u32),
+        Field("general.file_type", {"f32": 0, "f16": 1, "bf16": 32}[dtype], u32),
+        *tok_fields, *extra_fields,
+    ]
+    rng = np.random.default_rng(seed)
+
+    def tensors():
+        for name, (_, role, tshape) in names.expected(config).items():
+            if role == "norm":
+                yield name, (1.0 + 0.1 * rng.standard_normal(tshape)).astype(np.float32)
+                continue
+            w = (rng.standard_normal(tshape) / np.sqrt(tshape[-1])).astype(np.float32)
+            if role == "embedding":
+                w *= 4.0  # embeddings are not fan-in scaled in real models
+            yield name, _cast(w, dtype)
+
+    write_gguf(path, fields, tensors())
+    return path
+
+
+def _cast(w: np.ndarray, dtype: str) -> np.ndarray:
+    if dtype == "f32":
+        return w
+    if dtype == "f16":
+        return w.astype(np.float16)
+    assert dtype == "bf16"
+    return bf16_bits(w)
+
+
+def rewrite(src, dst, fields=None, drop=(), tensors=None):
+    """Copy a floating GGUF with some metadata replaced or dropped and tensors edited.
+
+    fields: {key: Field} to set; drop: keys to remove; tensors: f(name, array) -> array or None
+    (None drops the tensor), or a dict of extra tensors to add.
+    """
+    g = read_gguf(src)
+    out = {k: f for k, f in g.fields.items() if k not in drop}
+    out.update(fields or {})
+    edit = tensors if callable(tensors) else (lambda n, a: a)
+    extra = tensors if isinstance(tensors, dict) else {}
+
+    def arrays():
+        for name, t in g.tensors.items():
+            a = edit(name, t.float32() if t.type.name == "F32" else np.array(t.raw))
+            if a is not None:
+                yield name, a
+        yield from extra.items()
+
+    write_gguf(dst, out.values(), arrays())
+    return dst

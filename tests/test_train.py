@@ -1,0 +1,309 @@
+"""Training, exact resume and checkpoints on a tiny random Llama with real chat-formatted data."""
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from aner import AnerError, gen
+from aner.errors import ArtifactError, ConfigError, FormatError, ResourceError
+from aner.train.loop import TrainState, RunConfig, window
+from conftest import DATA, EXAMPLES
+from fixtures import Shape, rewrite
+
+
+@pytest.fixture(scope="module")
+def base(tiny):
+    return gen.import_model(tiny)
+
+
+@pytest.fixture(scope="module")
+def data(base):
+    tr = gen.supervised_csv(base, EXAMPLES / "data" / "training.csv", input="question", target="answer",
+                            role="training", context=64)
+    va = gen.supervised_csv(base, EXAMPLES / "data" / "validation.csv", input="question", target="answer",
+                            role="validation", context=64)
+    return tr, va
+
+
+def snapshot(model):
+    return ({k: v.clone() for k, v in model._weights.items()},
+            {k: v.clone() for k, v in model._adapter_tensors.items()})
+
+
+def assert_same_state(a, b):
+    for k in a._weights:
+        assert torch.equal(a._weights[k], b._weights[k]), k
+    assert a._adapter_tensors.keys() == b._adapter_tensors.keys()
+    for k in a._adapter_tensors:
+        assert torch.equal(a._adapter_tensors[k], b._adapter_tensors[k]), k
+    assert a._state.moments.keys() == b._state.moments.keys() and a._state.moments
+    for k, (m, v) in a._state.moments.items():
+        assert torch.equal(m, b._state.moments[k][0]) and torch.equal(v, b._state.moments[k][1]), k
+    assert (a.updates(), a.scored_tokens(), a._state.cursor) == (b.updates(), b.scored_tokens(), b._state.cursor)
+    assert a._state.losses == b._state.losses
+    assert a.validation_loss() == b.validation_loss()
+
+
+@pytest.mark.parametrize("select", ["full", "lora"])
+def test_exact_resume_and_source_unchanged(base, data, tmp_path, select):
+    tr, va = data
+    src = base if select == "full" else base.lora(rank=4, seed=5)
+    before = snapshot(src)
+    kw = dict(micro_batch=2, accumulation=2, rate=1e-3, seed=9)
+    two = src.fine_tune(tr, va, steps=2, **kw)
+    one = src.fine_tune(tr, va, steps=1, **kw)
+    one.checkpoint(tmp_path / "ck")
+    restored = gen.load_pretrained_checkpoint(tmp_path / "ck")
+    assert restored.summary() == one.summary()
+    resumed = restored.resume(tr, va, steps=1)
+    assert_same_state(two, resumed)
+    assert two.updates() == 2
+    # the source is bitwise unchanged and still usable; training really changed something
+    after = snapshot(src)
+    assert all(torch.equal(before[0][k], after[0][k]) for k in before[0])
+    assert all(torch.equal(before[1][k], after[1][k]) for k in before[1])
+    assert src.updates() == 0
+    changed = two._weights if select == "full" else two._adapter_tensors
+    reference = before[0] if select == "full" else before[1]
+    assert any(not torch.equal(changed[k], reference[k]) for k in reference)
+    if select == "lora":
+        assert all(two._weights[k] is src._weights[k] for k in src._weights)  # frozen base shared, not copied
+
+
+def test_scored_tokens_and_windows(base, data):
+    tr, va = data
+    n = tr.examples()
+    state = TrainState(RunConfig(micro_batch=2, accumulation=3, seed=4), "", "")
+    seen, sizes = [], []
+    from dataclasses import replace
+    for _ in range(10):
+        w = window(state, n)
+        sizes.append(len(w))
+        seen.extend(w)
+        state = replace(state, cursor=state.cursor + len(w))
+        if state.cursor % n == 0:
+            break
+    assert sorted(seen) == list(range(n))            # one epoch covers every example exactly once
+    assert sizes == [6] * (n // 6) + ([n % 6] if n % 6 else [])  # a short final window, nothing duplicated
+    tuned = base.lora().fine_tune(tr, va, steps=1, micro_batch=2, accumulation=3, seed=4)
+    first = window(TrainState(RunConfig(2, 3, seed=4), "", ""), n)
+    assert tuned.scored_tokens() == sum(tr.items[i].scored for i in first)
+
+
+def test_loss_is_weighted_by_scored_tokens_across_the_window(base, data):
+    """micro_batch 4 x accumulation 1 and micro_batch 1 x accumulation 4 make the same update."""
+    tr, va = data
+    a = base.lora(seed=1).fine_tune(tr, va, steps=1, micro_batch=4, accumulation=1, rate=1e-3, seed=2)
+    b = base.lora(seed=1).fine_tune(tr, va, steps=1, micro_batch=1, accumulation=4, rate=1e-3, seed=2)
+    assert a._state.losses[0] == pytest.approx(b._state.losses[0], rel=1e-6)
+    for k in a._state.moments:
+        torch.testing.assert_close(a._state.moments[k][0], b._state.moments[k][0], rtol=1e-4, atol=1e-9)
+    assert a.scored_tokens() == b.scored_tokens()
+
+
+def test_validation_loss_is_token_weighted(base, data):
+    tr, va = data
+    tuned = base.lora().fine_tune(tr, va, steps=1)
+    total = 0.0
+    for e in va.items:
+        lp = torch.log_softmax(torch.from_numpy(tuned.logits(e.tokens[:-1])).double(), -1)
+        total -= sum(float(lp[t - 1, e.tokens[t]]) for t in range(e.prompt_len, len(e.tokens)))
+    assert tuned.validation_loss() == pytest.approx(total / va.scored_tokens(), rel=1e-5)
+
+
+def test_same_inputs_give_identical_bits(base, data):
+    tr, va = data
+    a = base.lora(seed=3).fine_tune(tr, va, steps=2, seed=8)
+    b = base.lora(seed=3).fine_tune(tr, va, steps=2, seed=8)
+    assert_same_state(a, b)
+
+
+# ---- refusals --------------------------------------------------------------------------------
+
+def test_data_refusals(base, data, tiny, tmp_path):
+    tr, va = data
+    with pytest.raises(ConfigError, match="training data has role='validation'"):
+        base.fine_tune(va, va, steps=1)
+    with pytest.raises(ConfigError, match="validation data has role='training'"):
+        base.fine_tune(tr, tr, steps=1)
+    overlap = tmp_path / "overlap.csv"
+    overlap.write_text("question,answer\nWhat is the capital of Tolvara?,The capital of Tolvara is Brisk Harbor.\n")
+    bad_va = gen.supervised_csv(base, overlap, role="validation", context=64)
+    with pytest.raises(ConfigError, match=r"validation example\(s\) \[1\].*lineage"):
+        base.fine_tune(tr, bad_va, steps=1)
+    # lineage: a model trained on `tr` refuses validation rows from `tr` in a later run on other data
+    other = tmp_path / "other.csv"
+    other.write_text("question,answer\nWhat is two plus two?,Four.\nWhat is three plus three?,Six.\n")
+    tr2 = gen.supervised_csv(base, other, role="training", context=64)
+    tuned = base.fine_tune(tr, va, steps=1, rate=1e-5)
+    with pytest.raises(ConfigError, match="lineage"):
+        tuned.fine_tune(tr2, bad_va, steps=1)
+    # data prepared with another tokenizer
+    from aner.formats.gguf import Field
+    from gguf import GGUFValueType
+    other_tok = rewrite(tiny, tmp_path / "other-tok.gguf", fields={"tokenizer.ggml.add_space_prefix": Field(
+        "tokenizer.ggml.add_space_prefix", True, GGUFValueType.BOOL)})
+    foreign = gen.supervised_csv(gen.import_model(other_tok), other, role="training", context=64)
+    with pytest.raises(ConfigError, match="prepared with tokenizer"):
+        base.fine_tune(foreign, va, steps=1)
+
+
+@pytest.mark.parametrize("kw,message", [
+    (dict(steps=0), "steps=0"), (dict(steps=1.5), "steps=1.5"), (dict(micro_batch=0), "micro_batch=0"),
+    (dict(accumulation=5000), "accumulation=5000"), (dict(rate=0.0), "rate=0.0"),
+    (dict(rate=float("nan")), "rate=nan"), (dict(rate=2.0), "rate=2.0"), (dict(seed=-1), "seed=-1"),
+    (dict(clip_norm=-1.0), "clip_norm=-1.0"),
+])
+def test_argument_refusals(base, data, kw, message):
+    tr, va = data
+    args = dict(steps=1) | kw
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
+        base.fine_tune(tr, va, **args)
+
+
+def test_admission_refuses_training_over_budget(tiny, data):
+    tr, va = data
+    small = gen.import_model(tiny, max_memory_bytes=30 << 20)
+    with pytest.raises(ResourceError, match="training needs an estimated"):
+        small.fine_tune(tr, va, steps=1)
+
+
+def test_resume_refusals(base, data, tmp_path):
+    tr, va = data
+    with pytest.raises(ConfigError, match="resume needs a trained model"):
+        base.resume(tr, va, steps=1)
+    tuned = base.lora().fine_tune(tr, va, steps=1)
+    other = tmp_path / "other.csv"
+    other.write_text("question,answer\nWhat is two plus two?,Four.\n")
+    tr2 = gen.supervised_csv(base, other, role="training", context=64)
+    with pytest.raises(ConfigError, match="exact data"):
+        tuned.resume(tr2, va, steps=1)
+
+
+def test_adapter_selection_refusals(base, data):
+    tr, va = data
+    with pytest.raises(ConfigError, match="already has a lora adapter"):
+        base.lora().lora()
+    with pytest.raises(ConfigError, match="full weights were trained"):
+        base.fine_tune(tr, va, steps=1, rate=1e-5).lora()
+    for bad, msg in [(dict(rank=0), "rank=0"), (dict(rank=257), "rank=257"), (dict(rank=65), "exceeds target"),
+                     (dict(targets=["attention.q_proj", "attention.q_proj"]), "listed twice"),
+                     (dict(targets=["blk.0.attn_norm.weight"]), "neither a projection alias"),
+                     (dict(targets=[]), "0 entries"), (dict(alpha=0), "alpha=0")]:
+        with pytest.raises(ConfigError, match=msg):
+            base.lora(**bad)
+
+
+def test_lora_defaults(base):
+    m = base.lora()
+    cfg = m._method.config
+    assert (cfg.rank, cfg.alpha, cfg.seed, cfg.scale) == (8, 16.0, 0, 2.0)
+    assert cfg.targets == tuple(f"blk.{i}.attn_{p}.weight" for i in range(2) for p in ("q", "v"))
+    a = m._adapter_tensors["blk.0.attn_q.weight.lora_a"]
+    bound = 1 / np.sqrt(64)
+    assert a.shape == (8, 64) and float(a.abs().max()) <= bound and float(a.abs().max()) > 0.9 * bound
+    assert not m._adapter_tensors["blk.0.attn_q.weight.lora_b"].any()
+    assert m.trainable_parameters() == 2 * 2 * 8 * (64 + 64) - 2 * 8 * (64 - 32)  # q: 64x64, v: 32x64
+    assert m.method() == "lora" and base.method() == "full"
+
+
+# ---- checkpoints -----------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def checkpoint(base, data, tmp_path_factory):
+    tr, va = data
+    path = tmp_path_factory.mktemp("ck") / "checkpoint-1"
+    base.lora(rank=2).fine_tune(tr, va, steps=1).checkpoint(path)
+    return path
+
+
+def test_checkpoint_package(checkpoint):
+    files = sorted(p.name for p in checkpoint.iterdir())
+    assert files == ["adapter.safetensors", "manifest.json", "metadata.gguf", "optimizer.safetensors",
+                     "weights.safetensors"]
+    manifest = json.loads((checkpoint / "manifest.json").read_text())
+    assert manifest["format"] == "aner.checkpoint" and manifest["version"] == 1
+    assert manifest["backend"] == gen.training_backend()
+    assert set(manifest["files"]) == set(files) - {"manifest.json"}
+    assert manifest["counters"]["updates"] == 1 and manifest["adapter"]["rank"] == 2
+
+
+def test_checkpoint_refuses_existing_destination(base, checkpoint):
+    before = {p.name: p.read_bytes() for p in checkpoint.iterdir()}
+    with pytest.raises(ArtifactError, match="already exists"):
+        base.checkpoint(checkpoint)
+    assert {p.name: p.read_bytes() for p in checkpoint.iterdir()} == before
+
+
+def test_every_flipped_byte_is_refused(checkpoint, tmp_path):
+    """Flip bytes at several places of every file of the package: each load must be refused."""
+    flips = 0
+    rng = np.random.default_rng()
+    for f in sorted(checkpoint.iterdir()):
+        size = f.stat().st_size
+        for offset in {0, size // 2, size - 1, int(rng.integers(size))}:
+            copy = tmp_path / f"c{flips}"
+            shutil.copytree(checkpoint, copy)
+            data = bytearray((copy / f.name).read_bytes())
+            data[offset] ^= 0x20
+            (copy / f.name).write_bytes(bytes(data))
+            with pytest.raises(AnerError):
+                gen.load_pretrained_checkpoint(copy)
+            flips += 1
+    assert flips >= 5 * 3
+
+
+def test_checkpoint_structural_refusals(checkpoint, tmp_path):
+    def variant(name, edit):
+        copy = tmp_path / name
+        shutil.copytree(checkpoint, copy)
+        edit(copy)
+        return copy
+
+    no_manifest = variant("nomanifest", lambda p: (p / "manifest.json").unlink())
+    with pytest.raises(ArtifactError, match="not a checkpoint"):
+        gen.load_pretrained_checkpoint(no_manifest)
+    missing = variant("missing", lambda p: (p / "optimizer.safetensors").unlink())
+    with pytest.raises(ArtifactError, match="missing"):
+        gen.load_pretrained_checkpoint(missing)
+
+    def edit_manifest(key, value):
+        def go(p):
+            m = json.loads((p / "manifest.json").read_text())
+            m[key] = value
+            (p / "manifest.json").write_text(json.dumps(m))
+        return go
+
+    with pytest.raises(FormatError, match="format version 99.*release that wrote it"):
+        gen.load_pretrained_checkpoint(variant("v99", edit_manifest("version", 99)))
+    with pytest.raises(ArtifactError, match="backend"):
+        gen.load_pretrained_checkpoint(variant("backend", edit_manifest("backend", "aner.llama-trainer/0")))
+    with pytest.raises(ConfigError, match="recorded device 'cuda:0'; got device='cpu'"):
+        gen.load_pretrained_checkpoint(variant("dev", edit_manifest("device", "cuda:0")))
+    with pytest.raises(AnerError, match="does not exist"):
+        gen.load_pretrained_checkpoint(tmp_path / "absent")
+
+
+def test_checkpoint_refuses_mismatched_shapes(base, data, tmp_path):
+    from safetensors.torch import load_file, save_file
+    from aner.formats.publish import sha256_file
+    tr, va = data
+    path = tmp_path / "ck"
+    base.lora(rank=2).fine_tune(tr, va, steps=1).checkpoint(path)
+    w = load_file(str(path / "weights.safetensors"))
+    w["blk.0.attn_q.weight"] = w["blk.0.attn_q.weight"][:-1]
+    save_file(w, str(path / "weights.safetensors"))
+    m = json.loads((path / "manifest.json").read_text())
+    m["files"]["weights.safetensors"] = sha256_file(path / "weights.safetensors")
+    (path / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(FormatError, match="'blk.0.attn_q.weight' has shape"):
+        gen.load_pretrained_checkpoint(path)
+
+
+def test_progress_is_silent_without_a_terminal(base, data, capsys):
+    tr, va = data
+    base.lora().fine_tune(tr, va, steps=1)
+    out = capsys.readouterr()
+    assert out.out == "" and out.err == ""
