@@ -207,9 +207,10 @@ def test_nf4_midpoint_neighbours_vs_bnb():
 def test_dynamic8_vs_bnb_quantize_blockwise_near_grid_boundaries():
     # Values within 3 ulps of scale * ((k - 1/2) / 32767.5 - 1), where the grid index rounds, for
     # scales 1 (exact), 3 and 0.7 (inexact reciprocals: x * (1/s) and x / s differ there), plus
-    # random values in a partial tail block.
+    # random values in a partial tail block. All 65534 boundaries: a random subset of a few
+    # thousand sometimes holds no x * (1/s) vs x / s disagreement at all (there are 60 in all).
     seed, g = fresh()
-    k = torch.randint(1, 65535, (3000,), generator=g).double()
+    k = torch.arange(1, 65535).double()
     edge = ((k - 0.5) / 32767.5 - 1.0).float()
     parts, disagree = [], 0
     for s in (1.0, 3.0, 0.7):
@@ -219,7 +220,7 @@ def test_dynamic8_vs_bnb_quantize_blockwise_near_grid_boundaries():
                          != quantize_dynamic8(in_blocks(near / s32, 1.0, 256))[0]).sum())
         parts.append(in_blocks(near, s, 256))
     x = torch.cat(parts + [torch.randn(1000, generator=g) * 0.01])
-    assert disagree >= 1, f"seed={seed}: no value where x * (1/s) and x / s pick different codes"
+    assert disagree >= 50, f"only {disagree} values where x * (1/s) and x / s pick different codes"
     ref_codes, ref_scales = torch.ops.bitsandbytes.quantize_blockwise.default(
         x, bnbF.create_dynamic_map(signed=True), 256)
     codes, scales = quantize_dynamic8(x)

@@ -8,6 +8,7 @@ import torch
 
 from aner import AnerError, gen
 from aner.errors import ArtifactError, ConfigError, FormatError, ResourceError
+from aner.formats.checkpoint import _digest
 from aner.train.loop import TrainState, RunConfig, window
 from conftest import DATA, EXAMPLES
 from fixtures import Shape, rewrite
@@ -273,6 +274,7 @@ def test_checkpoint_structural_refusals(checkpoint, tmp_path):
         def go(p):
             m = json.loads((p / "manifest.json").read_text())
             m[key] = value
+            m["manifest_sha256"] = _digest(m)
             (p / "manifest.json").write_text(json.dumps(m))
         return go
 
@@ -297,6 +299,7 @@ def test_checkpoint_refuses_mismatched_shapes(base, data, tmp_path):
     save_file(w, str(path / "weights.safetensors"))
     m = json.loads((path / "manifest.json").read_text())
     m["files"]["weights.safetensors"] = sha256_file(path / "weights.safetensors")
+    m["manifest_sha256"] = _digest(m)
     (path / "manifest.json").write_text(json.dumps(m))
     with pytest.raises(FormatError, match="'blk.0.attn_q.weight' has shape"):
         gen.load_pretrained_checkpoint(path)

@@ -10,6 +10,7 @@
 A folder without `manifest.json` is not a checkpoint. Loading verifies every checksum first and
 refuses another format version, another backend identity or mismatched shapes.
 """
+import hashlib
 import json
 from pathlib import Path
 
@@ -70,8 +71,15 @@ def write_checkpoint(model, path) -> str:
             "lineage_examples": sorted(model._lineage_examples),
             "files": {f.name: sha256_file(f) for f in sorted(tmp.iterdir())},
         }
+        manifest["manifest_sha256"] = _digest(manifest)
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1, sort_keys=True))
     return str(path)
+
+
+def _digest(manifest: dict) -> str:
+    """SHA-256 of the manifest's own content (without this field): the manifest is checked too."""
+    body = {k: v for k, v in manifest.items() if k != "manifest_sha256"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
 
 
 def read_manifest(path) -> dict:
@@ -90,6 +98,8 @@ def read_manifest(path) -> dict:
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise FormatError(f"{str(mf)!r} has format {manifest.get('format') if isinstance(manifest, dict) else None!r}; "
                           f"expected {FORMAT!r}")
+    if manifest.get("manifest_sha256") != _digest(manifest):
+        raise ArtifactError(f"{str(mf)!r} does not match its own SHA-256: the manifest was changed or corrupted")
     if manifest.get("version") != VERSION:
         raise FormatError(f"checkpoint {str(path)!r} has format version {manifest.get('version')!r}; this aner "
                           f"reads version {VERSION}: load it with the aner release that wrote it")

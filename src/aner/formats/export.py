@@ -50,9 +50,9 @@ class AdapterManifest:
     base_path: str
     method: str
     rank: int
-    scale: float
+    effective_scale: float    # the method's s in delta W = s * B @ A (alpha/r, alpha/sqrt(r), 1)
     targets: tuple[str, ...]
-    lora_scale: float = 1.0   # llama.cpp's user scale on top of alpha / r
+    scale: float = 1.0        # the deployment multiplier llama.cpp applies on top (1 = as trained)
 
     @classmethod
     def load(cls, directory) -> "AdapterManifest":
@@ -60,7 +60,7 @@ class AdapterManifest:
         return cls(path=str(directory), adapter_path=str(Path(directory) / "adapter.gguf"),
                    base_sha256=data["base"]["sha256"], base_canonical_sha256=data["base"]["canonical_sha256"],
                    base_path=data["base"]["path"], method=data["method"], rank=data["rank"],
-                   scale=data["scale"], targets=tuple(data["targets"]))
+                   effective_scale=data["scale"], targets=tuple(data["targets"]))
 
 
 def adapter_fields(model) -> list[Field]:

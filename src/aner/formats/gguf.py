@@ -208,6 +208,7 @@ def write_gguf(dst, fields: Iterable[Field], tensors: Iterable[tuple[str, np.nda
     fields = list(fields)
     assert any(f.key == "general.architecture" for f in fields), "general.architecture is required"
     assert not any(f.key == "general.alignment" for f in fields)
+    assert len({f.key for f in fields}) == len(fields), "duplicate metadata keys"
     with staged_file(dst) as tmp, tempfile.TemporaryFile(dir=Path(dst).parent) as data:
         # Tensor data goes to a side file as the tensors arrive (one in memory at a time); the
         # header, which needs every shape and offset, is written once they are all known.
@@ -270,7 +271,9 @@ def dequantize_gguf(src, dst, dtype: str) -> Path:
         raise UnsupportedModelError(f"dtype {dtype!r} is not supported; accepted: 'f32', 'f16'")
     source = read_gguf(src)
     source_sha = source.sha256()
-    fields = [f for k, f in source.fields.items() if k != "general.file_type"]
+    # A conversion of a conversion records the latest step; its source hash chains to the rest.
+    fields = [f for k, f in source.fields.items()
+              if k != "general.file_type" and not k.startswith("aner.conversion")]
     fields.append(uint32_field("general.file_type", FILE_TYPE[dtype]))
     fields.append(string_field("aner.conversion", f"dequantize;dtype={dtype}"))
     fields.append(string_field("aner.conversion.source_sha256", source_sha))

@@ -195,6 +195,9 @@ class PretrainedModel:
     def lora(self, targets=None, rank=8, alpha=16.0, seed=0) -> "PretrainedModel":
         return self._adapter("lora", targets, rank, alpha, seed)
 
+    def rs_lora(self, targets=None, rank=8, alpha=16.0, seed=0) -> "PretrainedModel":
+        return self._adapter("rslora", targets, rank, alpha, seed)
+
     def _adapter(self, kind, targets, rank, alpha, seed, **extra) -> "PretrainedModel":
         from ..adapters import registry
         self._require_unchanged(f"{kind} selection")

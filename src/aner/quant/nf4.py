@@ -205,7 +205,7 @@ def double_dequantize(codes: torch.Tensor, scales: torch.Tensor, offset: torch.T
     Two FP32 roundings (multiply, then add), never fused, as bnb's dequantize_blockwise + add.
     """
     block_ids = torch.arange(first_block, first_block + codes.numel())
-    return DYNAMIC8_CODEBOOK[codes.long()] * scales[block_ids // ABSMAX_BLOCK] + offset
+    return torch.addcmul(offset.double(), DYNAMIC8_CODEBOOK[codes.long()].double(), scales[block_ids // ABSMAX_BLOCK].double()).float()
 
 
 # ----------------------------------------------------------------------------- weight type
@@ -395,14 +395,11 @@ class _NF4Linear(torch.autograd.Function):
 def nf4_linear(x: torch.Tensor, weight: NF4Weight, tile_bytes: int = DEFAULT_TILE_BYTES) -> torch.Tensor:
     """x (..., in) float32 -> (..., out) = x @ W^T, decoding W in row tiles of <= tile_bytes FP32.
 
-    Forward: each output's dot product runs over the full `in`, as in a dense x @ W^T; a tile
-    only changes how many columns one GEMM computes, and the BLAS may pick other kernels for
-    that width. Measured (CPU, torch 2.13): bit-identical to x @ weight.dequantize().T for
-    576x1536 and 49152x576 at the default tile; up to 1e-6 apart (about 2e-7 of |x| @ |W|^T)
-    for 1823x781, with default or 7-row tiles.
-    Backward: input gradient only, accumulated over row tiles in FP32, so its summation order
-    differs from a dense grad_y @ W (measured: both within ~2e-7 of |g| @ |W| of float64).
-    x may be on CUDA; the weight stays on the host.
+    Forward: each output column's dot product has the same length as a dense x @ W^T; the tile
+    only changes which columns one GEMM computes (measured bit-identical on this CPU for the
+    shapes tested, but a BLAS may pick other kernels per width: test tolerance, not equality).
+    Backward: input gradient only, accumulated over row tiles in FP32. x may be on CUDA; the
+    weight stays on the host.
     """
     if not isinstance(weight, NF4Weight):
         raise ConfigError(f"weight must be an NF4Weight, got {type(weight).__name__}")
