@@ -1,8 +1,14 @@
-"""LoRA and rsLoRA: delta W = s * B @ A with A (r, in) Kaiming-uniform from the seed, B (out, r) zero.
+"""LoRA, rsLoRA and LoRA-FA: delta W = s * B @ A with A (r, in) Kaiming-uniform from the seed, B (out, r) zero.
 
-s = alpha / r for LoRA and alpha / sqrt(r) for rsLoRA. A is drawn as PEFT does
+s = alpha / r for LoRA and LoRA-FA, alpha / sqrt(r) for rsLoRA. A is drawn as PEFT does
 (`kaiming_uniform_(a=sqrt(5))`, i.e. U(-1/sqrt(in), 1/sqrt(in))), from a generator seeded by
 (seed, target index) so that each target's factors do not depend on which others were chosen.
+
+LoRA-FA (arXiv:2308.03303) keeps A frozen at that initialisation and trains B alone. B's gradient
+is preconditioned before clipping and AdamW as  g_B <- s^-2 * g_B @ pinv(A A^T + 1e-8 I):  with
+g_B = s G A^T for the full-weight gradient G, that is the dB whose s dB A is the least-squares
+closest to G, i.e. the full fine-tuning direction projected onto what B can express. A never
+changes, so the r x r preconditioner is computed once at selection (FP32) and saved with the adapter.
 """
 import math
 
@@ -11,9 +17,12 @@ from torch import nn
 
 from .base import Method, seeded
 
+LORA_FA_DAMPING = 1e-8   # added to A A^T before the pseudo-inverse
+
 
 class LoRALinear(nn.Module):
-    """base(x) + s * (x @ A^T) @ B^T, the adapter part in FP32."""
+    """base(x) + s * (x @ A^T) @ B^T, the adapter part in the adapter's dtype (FP32 in models;
+    float64 only in gradient checks)."""
 
     def __init__(self, base: nn.Module, a: torch.Tensor, b: torch.Tensor, scale: float):
         super().__init__()
@@ -24,7 +33,7 @@ class LoRALinear(nn.Module):
 
     def forward(self, x):
         y = self.base(x)
-        delta = (x.float() @ self.lora_a.t()) @ self.lora_b.t()  # (..., r) then (..., out)
+        delta = (x.to(self.lora_a.dtype) @ self.lora_a.t()) @ self.lora_b.t()  # (..., r) then (..., out)
         return y + (self.scale * delta).to(y.dtype)
 
 
@@ -51,3 +60,33 @@ class LoRA(Method):
 
     def lora_factors(self, target, tensors):
         return tensors[f"{target}.lora_a"], tensors[f"{target}.lora_b"]
+
+
+def lora_fa_preconditioner(a: torch.Tensor) -> torch.Tensor:
+    """pinv(A A^T + 1e-8 I) for A (r, in), in FP32: (r, r)."""
+    a = a.float()
+    eye = torch.eye(a.shape[0], dtype=torch.float32, device=a.device)
+    return torch.linalg.pinv(a @ a.t() + LORA_FA_DAMPING * eye)
+
+
+class LoRAFA(LoRA):
+    """LoRA with A frozen (no gradient, no moments) and B's gradient preconditioned."""
+
+    def init(self, weights):
+        out = super().init(weights)
+        for target in self.config.targets:
+            out[f"{target}.lora_fa_precond"] = lora_fa_preconditioner(out[f"{target}.lora_a"])
+        return out
+
+    def trainable(self):
+        return ("lora_b",)
+
+    @torch.no_grad()
+    def precondition(self, grads, tensors):
+        # FP32: (g_B (out, r) @ P (r, r)) then times s^-2, written into the gradient in place so that
+        # clipping and AdamW (and `.grad`) all see the preconditioned gradient.
+        inv_s2 = 1.0 / self.config.scale ** 2
+        for target in self.config.targets:
+            g = grads[f"{target}.lora_b"]
+            assert g is not None and g.dtype == torch.float32, target
+            g.copy_(torch.mm(g, tensors[f"{target}.lora_fa_precond"]).mul_(inv_s2))

@@ -198,6 +198,21 @@ class PretrainedModel:
     def rs_lora(self, targets=None, rank=8, alpha=16.0, seed=0) -> "PretrainedModel":
         return self._adapter("rslora", targets, rank, alpha, seed)
 
+    def lora_fa(self, targets=None, rank=8, alpha=16.0, seed=0) -> "PretrainedModel":
+        """LoRA with A frozen at its seeded initialisation and B's gradient preconditioned."""
+        return self._adapter("lora_fa", targets, rank, alpha, seed)
+
+    def tinylora(self, targets=None, rank=8, parameters=13, seed=0, sharing="global") -> "PretrainedModel":
+        """TinyLoRA: `parameters` trainable numbers (one vector for all targets, or one per target)
+        steering each target's frozen top-`rank` singular directions; no alpha (scale 1)."""
+        from ..adapters import registry, tinylora
+        self._require_unchanged("tinylora selection")
+        config = registry.config("tinylora", targets, rank, 1.0, seed, self._source.config, self._shapes(),
+                                 parameters=parameters, sharing=sharing)
+        admit("tinylora selection (frozen SVD factors and projections plus one float64 SVD workspace)",
+              tinylora.selection_bytes(config, self._shapes()), self._budget)
+        return self._select(registry.METHODS["tinylora"], config)
+
     def _adapter(self, kind, targets, rank, alpha, seed, **extra) -> "PretrainedModel":
         from ..adapters import registry
         self._require_unchanged(f"{kind} selection")
@@ -234,6 +249,31 @@ class PretrainedModel:
     def fine_tune(self, training, validation, steps, micro_batch=1, accumulation=1, rate=2e-4, seed=0,
                   clip_norm=1.0, progress=None) -> "PretrainedModel":
         """Start a new optimizer run of `steps` updates; return the trained model (self unchanged)."""
+        state, steps = self._fine_tune_start(training, validation, steps, micro_batch, accumulation, rate,
+                                             seed, clip_norm)
+        return self._train(training, validation, state, steps, progress)
+
+    def resume(self, training, validation, steps, progress=None) -> "PretrainedModel":
+        """Continue the saved optimizer run exactly; the data must be the run's data."""
+        state, steps = self._resume_start(training, validation, steps)
+        return self._train(training, validation, state, steps, progress)
+
+    def fine_tune_plan(self, training, validation, steps, micro_batch=1, accumulation=1, rate=2e-4, seed=0,
+                       clip_norm=1.0):
+        """fine_tune(...) prepared, not run: a validated, immutable `aner.jobs.PretrainedPlan`."""
+        from ..jobs import PretrainedPlan
+        state, steps = self._fine_tune_start(training, validation, steps, micro_batch, accumulation, rate,
+                                             seed, clip_norm)
+        return PretrainedPlan(self, "fine_tune", training, validation, state, steps)
+
+    def resume_plan(self, training, validation, steps):
+        """resume(...) prepared, not run: a validated, immutable `aner.jobs.PretrainedPlan`."""
+        from ..jobs import PretrainedPlan
+        state, steps = self._resume_start(training, validation, steps)
+        return PretrainedPlan(self, "resume", training, validation, state, steps)
+
+    def _fine_tune_start(self, training, validation, steps, micro_batch, accumulation, rate, seed, clip_norm):
+        """The checks of fine_tune and fine_tune_plan: (initial TrainState, steps). Admission is in _train."""
         from ..train.loop import RunConfig, TrainState, check_steps
         steps = check_steps(steps)
         run = RunConfig(micro_batch, accumulation, rate, seed, clip_norm)
@@ -241,11 +281,10 @@ class PretrainedModel:
             raise ConfigError(f"full fine-tuning of a {self._storage} base is refused: a packed base is "
                               "frozen; select an adapter first (lora, rs_lora, lora_fa, tinylora)")
         self._check_data(training, validation)
-        state = TrainState(run, training.sha256(), validation.sha256())
-        return self._train(training, validation, state, steps, progress)
+        return TrainState(run, training.sha256(), validation.sha256()), steps
 
-    def resume(self, training, validation, steps, progress=None) -> "PretrainedModel":
-        """Continue the saved optimizer run exactly; the data must be the run's data."""
+    def _resume_start(self, training, validation, steps):
+        """The checks of resume and resume_plan: (saved TrainState, steps). Admission is in _train."""
         from ..train.loop import check_steps
         steps = check_steps(steps)
         if self._state is None:
@@ -255,9 +294,17 @@ class PretrainedModel:
             raise ConfigError("resume needs the run's exact data: training sha256 "
                               f"{self._state.training_sha256[:12]}…, validation {self._state.validation_sha256[:12]}…; "
                               "got other data (changing data starts a new fine_tune run)")
-        return self._train(training, validation, self._state, steps, progress)
+        return self._state, steps
 
     def _train(self, training, validation, state, steps, progress, on_update=None) -> "PretrainedModel":
+        """Admit, then train private copies of the trainable tensors; return the trained handle.
+
+        `on_update(state, view)` runs after every committed update (returning False stops there);
+        `view()` is the model at that boundary. It shares the live tensors rather than cloning them
+        (no second copy outside the memory admission), so it is valid only until the callback
+        returns: use it synchronously (jobs publish checkpoints from it), never keep it. Its
+        validation loss is None: no evaluation of those weights has run.
+        """
         from ..train.loop import run
         self._admit_training(state.run.micro_batch, max(len(e.tokens) for e in training.items))
         weights, tensors = self._weights, self._adapter_tensors
@@ -269,14 +316,21 @@ class PretrainedModel:
             trainable = {n: tensors[n].requires_grad_(True) for n in self._trainable_names()}
         state = replace(state, moments={n: (m.clone(), v.clone()) for n, (m, v) in state.moments.items()})
         model = build(self._source.config, weights, self._method, tensors)
+
+        def trained(state):
+            frozen = {n: w.detach() for n, w in weights.items()} if self._method is None else weights
+            lineage = self._lineage if training.sha256() in self._lineage else self._lineage + (training.sha256(),)
+            return self._derive(weights=frozen, adapter_tensors={n: t.detach() for n, t in tensors.items()},
+                                state=state, lineage=lineage,
+                                lineage_examples=self._lineage_examples | training.example_hashes())
+
+        boundary = None
+        if on_update is not None:
+            def boundary(s):
+                return on_update(s, lambda: trained(replace(s, validation_loss=None)))
         state = run(model, tensors, trainable, self._method, training, validation, state, steps,
-                    self._device, progress, on_update)
-        if self._method is None:
-            weights = {n: w.detach() for n, w in weights.items()}
-        tensors = {n: t.detach() for n, t in tensors.items()}
-        lineage = self._lineage if training.sha256() in self._lineage else self._lineage + (training.sha256(),)
-        return self._derive(weights=weights, adapter_tensors=tensors, state=state, lineage=lineage,
-                            lineage_examples=self._lineage_examples | training.example_hashes())
+                    self._device, progress, boundary)
+        return trained(state)
 
     # ---- artifacts --------------------------------------------------------------------------
     def checkpoint(self, path) -> str:
@@ -290,6 +344,11 @@ class PretrainedModel:
     def save_adapter(self, directory):
         from ..formats.export import save_adapter
         return save_adapter(self, directory)
+
+    def save_peft_adapter(self, directory) -> str:
+        """The adapter as a PEFT LoRA directory (adapter_model.safetensors, adapter_config.json)."""
+        from ..formats.peft import save_peft_adapter
+        return save_peft_adapter(self, directory)
 
     def merged_weights(self) -> dict:
         """FP32 weights with every adapter delta folded in, one matrix at a time (CPU tensors)."""

@@ -4,6 +4,9 @@ Parameter names throughout aner are the GGUF names (`blk.3.attn_q.weight`): they
 see in `parameter_names()`, what adapters export, and what llama.cpp reads. Each row names the
 module that holds the tensor and the tensor's shape. GGUF stores Q and K already permuted for
 adjacent-pair RoPE, which is the layout our forward uses, so no row needs a transform here.
+
+A second table maps the same names to Hugging Face Llama parameter names (PEFT adapter export).
+Hugging Face keeps Q and K rows in the half-split RoPE layout; its rows refer to `rope_to_hf`.
 """
 import re
 
@@ -39,6 +42,58 @@ ALIASES = {
 }
 
 _LAYER = re.compile(r"blk\.(\d+)\.(.+)")
+
+
+def rope_to_hf(w, n_head: int):
+    """GGUF rows (adjacent-pair RoPE) -> Hugging Face rows (half-split RoPE) of a Q or K matrix.
+
+    The inverse of llama.cpp convert_hf_to_gguf's `permute(w, n_head, n_head_kv)`, which is
+    w.reshape(n_head, 2, E/2, *rest).swapaxes(1, 2).reshape(w.shape). Rows only: the columns (and a
+    LoRA A factor) are untouched. Works on torch tensors and numpy arrays.
+    """
+    rows = w.shape[0]
+    assert rows % (2 * n_head) == 0, (tuple(w.shape), n_head)
+    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+# gguf name (per layer: blk.{i}.<name>)  Hugging Face name (model.layers.{i}.<name>)  row transform
+HF_GLOBAL = {
+    "token_embd.weight":  ("model.embed_tokens.weight", None),  # token embeddings
+    "output_norm.weight": ("model.norm.weight",         None),  # final RMSNorm
+    "output.weight":      ("lm_head.weight",            None),  # LM head (absent when tied)
+}
+HF_PER_LAYER = {
+    "attn_norm.weight":   ("input_layernorm.weight",          None),                    # pre-attention RMSNorm
+    "attn_q.weight":      ("self_attn.q_proj.weight",         lambda w, c: rope_to_hf(w, c.n_head)),     # query
+    "attn_k.weight":      ("self_attn.k_proj.weight",         lambda w, c: rope_to_hf(w, c.n_kv_head)),  # key
+    "attn_v.weight":      ("self_attn.v_proj.weight",         None),                    # value
+    "attn_output.weight": ("self_attn.o_proj.weight",         None),                    # attention output
+    "ffn_norm.weight":    ("post_attention_layernorm.weight", None),                    # pre-MLP RMSNorm
+    "ffn_gate.weight":    ("mlp.gate_proj.weight",            None),                    # SwiGLU gate
+    "ffn_up.weight":      ("mlp.up_proj.weight",              None),                    # SwiGLU up
+    "ffn_down.weight":    ("mlp.down_proj.weight",            None),                    # SwiGLU down
+}
+
+
+def hf_name(name: str) -> str:
+    """GGUF tensor name -> Hugging Face Llama parameter name."""
+    return _hf_row(name)[0]
+
+
+def to_hf(name: str, w, config):
+    """A tensor (or the output-row factor of a LoRA delta, B) in GGUF row layout -> Hugging Face's."""
+    transform = _hf_row(name)[1]
+    return w if transform is None else transform(w, config)
+
+
+def _hf_row(name: str):
+    m = _LAYER.fullmatch(name)
+    if m and m.group(2) in HF_PER_LAYER:
+        hf, transform = HF_PER_LAYER[m.group(2)]
+        return f"model.layers.{m.group(1)}.{hf}", transform
+    if name in HF_GLOBAL:
+        return HF_GLOBAL[name]
+    raise UnsupportedModelError(f"tensor {name!r} is not part of the supported Llama profile")
 
 
 def expected(config) -> dict[str, tuple[str, str, tuple[int, ...]]]:
