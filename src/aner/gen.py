@@ -14,7 +14,7 @@ from .errors import ConfigError, UnsupportedModelError
 from .formats.gguf import FLOAT_TYPES, dequantize_gguf, read_gguf
 from .model import names
 from .model.config import LlamaConfig
-from .model.handle import BACKEND_NAME, PretrainedModel, Source, canonical_sha256, check_device
+from .model.handle import BACKEND_NAME, CanonicalHash, PretrainedModel, Source, canonical_sha256, check_device
 from .train.memory import DEFAULT_BUDGET, admit, check_budget
 
 _NUMERIC_PACKAGES = ("model", "train", "adapters", "quant", "kernels")
@@ -66,9 +66,11 @@ def _open_floating(path):
     return gguf, config
 
 
-def _source(gguf, config, weights) -> Source:
+def _source(gguf, config, weights, canonical=None) -> Source:
+    """The source identity; `canonical` (a streamed import's CanonicalHash digest) replaces hashing `weights`."""
     from .data.tokenizer import identity
-    return Source(path=str(gguf.path), sha256=gguf.sha256(), canonical_sha256=canonical_sha256(config, weights),
+    canonical = canonical if canonical is not None else canonical_sha256(config, weights)
+    return Source(path=str(gguf.path), sha256=gguf.sha256(), canonical_sha256=canonical,
                   tokenizer_sha256=identity(gguf.fields), config=config, fields=tuple(gguf.fields.values()),
                   metadata_path=str(gguf.path))
 
@@ -82,13 +84,47 @@ def import_model(path, device="cpu", max_memory_bytes=DEFAULT_BUDGET) -> Pretrai
     admit("importing this model (FP32 weights plus one matrix workspace)", sum(sizes) + max(sizes), budget)
     weights = {}
     for name in names.expected(config):
-        values = gguf.tensors[name].float32()
-        if not np.isfinite(values).all():
-            raise UnsupportedModelError(f"tensor {name!r} holds non-finite values (NaN or infinity)")
-        weights[name] = torch.from_numpy(values)
+        weights[name] = torch.from_numpy(_finite_values(gguf, name))
     source = _source(gguf, config, weights)
     weights = {n: w.to(device) for n, w in weights.items()}
     return PretrainedModel(source=source, weights=weights, device=device, budget=budget)
+
+
+def _finite_values(gguf, name) -> np.ndarray:
+    values = gguf.tensors[name].float32()
+    if not np.isfinite(values).all():
+        raise UnsupportedModelError(f"tensor {name!r} holds non-finite values (NaN or infinity)")
+    return values
+
+
+def import_nf4(path, double_quant=True, max_memory_bytes=DEFAULT_BUDGET, device="cpu") -> PretrainedModel:
+    """Import a floating dense Llama GGUF straight into a frozen NF4 base, one matrix at a time.
+
+    Each tensor's FP32 values are read, hashed into the source identity, packed (matrices) or kept
+    (norm vectors, FP32), and dropped before the next is read: the dense model never exists here.
+    The result equals `import_model(path).nf4(double_quant)` (same packed bytes, same identity).
+    Packed buffers stay on the CPU; norm vectors go to `device`.
+    """
+    from .quant.storage import PACK_WORKSPACE_BYTES, check_double_quant, pack_matrix, storage_name, stored_nbytes
+    double_quant = check_double_quant(double_quant)
+    budget = check_budget(max_memory_bytes)
+    device = check_device(device)
+    gguf, config = _open_floating(path)
+    table = names.expected(config)
+    owned = sum(stored_nbytes(shape, double_quant) for _, _, shape in table.values())
+    workspace = max(4 * int(np.prod(shape)) for _, _, shape in table.values()) + PACK_WORKSPACE_BYTES
+    admit("importing this model as NF4 (packed weights plus one FP32 matrix and packing workspace)",
+          owned + workspace, budget)
+    hasher, weights = CanonicalHash(config), {}
+    for name in table:
+        values = _finite_values(gguf, name)
+        hasher.update(name, values)
+        w = torch.from_numpy(values)
+        weights[name] = pack_matrix(w, double_quant) if w.dim() == 2 else w.to(device)
+        del values, w   # drop this matrix's FP32 values before the next one is read
+    source = _source(gguf, config, None, canonical=hasher.hexdigest())
+    return PretrainedModel(source=source, weights=weights, device=device, budget=budget,
+                           storage=storage_name(double_quant))
 
 
 def supervised_csv(model, path, input="question", target="answer", role="training", context=128):

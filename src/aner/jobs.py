@@ -26,12 +26,16 @@ Semantics chosen here (the seed leaves them open):
 - Automatic checkpoints publish when the model's cumulative update counter is a multiple of
   `every`, into `<directory>/run-<n>/step-<updates>`: `run-<n>` is created (atomically, never
   reused) at the job's first automatic checkpoint. They carry no validation loss.
-- Memory admission and the data/state preparation run on the worker, before any training
-  state changes; a plan that passes its creation checks can therefore still fail there.
-- The worker thread is a daemon: the process does not wait for a running job at exit (a
-  publication in flight then leaves only its hidden `.partial` staging folder, never a
-  half-written checkpoint). Call `job.wait()` for work that must finish.
+- The data checks (roles, tokenizer identity, overlap, a resume's exact data) run when the plan
+  is created, on immutable inputs. Memory admission runs on the worker, before any training
+  state is copied or changed, so a plan that passed its checks can still give a failed result.
+- At interpreter exit every job is stopped: queued ones at once, the running one at its next
+  boundary (it then finishes its validation evaluation), and the exit waits for that. A daemon
+  worker left running torch operations while the interpreter finalizes aborts the process
+  (exit status 134, "terminate called without an active exception", measured here), so the worker is a daemon
+  only so that an idle one never delays exit. Call `job.wait()` for work that must finish.
 """
+import atexit
 import dataclasses
 import math
 import os
@@ -76,7 +80,7 @@ class PretrainedPlan:
         first, last = self.state.updates + 1, self.state.updates + self.steps
         if last // every * every < first:
             raise ConfigError(f"every={every!r} publishes no checkpoint in this plan's updates {first}..{last}; "
-                              f"accepted: at most {last} for this plan")
+                              f"accepted: 1..{self.steps} (or any value with a multiple in that range)")
         directory = Path(directory)
         if not directory.is_dir():
             raise ArtifactError(f"checkpoint directory {str(directory)!r} does not exist or is not a folder; "
@@ -252,11 +256,15 @@ class _Executor:
         self._cond = threading.Condition()
         self._queue: deque[_Record] = deque()
         self._thread: threading.Thread | None = None
+        self._running: _Record | None = None
+        self._closed = False
 
     def submit(self, plan: PretrainedPlan) -> _Record:
         assert isinstance(plan, PretrainedPlan)
         record = _Record(plan)
         with self._cond:
+            if self._closed:
+                raise ResourceError("the local executor is shut down: the interpreter is exiting")
             self._drop_released()
             if len(self._queue) >= MAX_WAITING:
                 raise ResourceError(f"the local executor already holds {len(self._queue)} waiting jobs "
@@ -324,23 +332,40 @@ class _Executor:
     def _work(self) -> None:
         while True:
             with self._cond:
-                self._drop_released()
-                while not self._queue:
+                self._drop_released()       # right before the pop: a released queued job never starts
+                while not self._queue and not self._closed:
                     self._cond.wait()
                     self._drop_released()
-                record = self._queue.popleft()
+                if self._closed:
+                    return
+                record = self._running = self._queue.popleft()
                 record.status = "running"
                 self._cond.notify_all()
             result = self._execute(record)
             with self._cond:
                 self._finish(record, result)
+                self._running = None
+
+    def shutdown(self) -> None:
+        """At exit: stop every job (the running one at its next boundary) and join the worker."""
+        with self._cond:
+            self._closed = True
+            for record in self._queue:
+                record.stop_requested = True
+            self._drop_released()
+            if self._running is not None:
+                self._running.stop_requested = True
+            thread = self._thread
+            self._cond.notify_all()
+        if thread is not None:
+            thread.join()
 
     def _execute(self, record: _Record) -> PretrainedResult:
         plan = record.plan
         try:
             model = plan.source._train(plan.training, plan.validation, plan.state, plan.steps, progress=False,
                                        on_update=lambda state, view: self._boundary(record, state, view))
-        except Exception as e:  # noqa: BLE001 - every failure becomes the job's typed result
+        except Exception as e:  # every failure becomes the job's typed result
             with self._cond:
                 return PretrainedResult("failed", record.updates, record.scored_tokens, plan.steps,
                                         _exception=e, _checkpoints=tuple(record.checkpoints))
@@ -365,7 +390,7 @@ class _Executor:
                 view().checkpoint(path)
             except AnerError:
                 raise
-            except Exception as e:  # noqa: BLE001 - an OS error of the publication, named with its path
+            except Exception as e:  # an OS error of the publication, named with its path
                 raise ArtifactError(f"automatic checkpoint {str(path)!r} failed: {e}") from e
             with self._cond:
                 record.checkpoints.append(str(path))
@@ -375,7 +400,7 @@ class _Executor:
                 view().checkpoint(request.path)
             except AnerError as e:
                 error = e
-            except Exception as e:  # noqa: BLE001 - only this request fails; the job continues
+            except Exception as e:  # only this request fails; the job continues
                 error = ArtifactError(f"checkpoint {str(request.path)!r} failed: {e}")
                 error.__cause__ = e
             with self._cond:
@@ -416,3 +441,4 @@ def _never_ran(record: _Record) -> PretrainedResult:
 
 
 _EXECUTOR = _Executor()
+atexit.register(_EXECUTOR.shutdown)

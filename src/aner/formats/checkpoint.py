@@ -167,12 +167,40 @@ def read_checkpoint(path, device: str, budget: int):
                            {n: (m.to(device), v.to(device)) for n, (m, v) in moments.items()},
                            manifest["validation_loss"], tuple(manifest["losses"]))
     return PretrainedModel(
-        source=source, weights={n: w.to(device) for n, w in weights.items()}, device=device, budget=budget,
+        source=source, device=device, budget=budget,
+        weights={n: w.to(device) if isinstance(w, torch.Tensor) else w for n, w in weights.items()},  # NF4 stays on the host
         storage=manifest["storage"], method=method, adapter_tensors={n: t.to(device) for n, t in adapter.items()},
         state=state, lineage=manifest["lineage"], lineage_examples=manifest["lineage_examples"])
 
 
 def _unpack_weights(raw: dict, storage: str) -> dict:
+    """weights.safetensors -> name -> FP32 tensor or NF4Weight. A packed base stores each matrix as
+    its NF4Weight.tensors() under `<name>.<part>` and its norm vectors as plain FP32 `<name>`."""
+    from ..quant.nf4 import TENSOR_PARTS, NF4Weight
+    from ..quant.storage import STORAGES
     if storage == "float32":
         return raw
-    raise FormatError(f"checkpoint storage {storage!r} is not supported by this aner; accepted: 'float32'")
+    if storage not in STORAGES:
+        raise FormatError(f"checkpoint storage {storage!r} is not supported by this aner; accepted: "
+                          f"{', '.join(repr(s) for s in STORAGES)}")
+    floating, parts = {}, {}
+    for key, t in raw.items():
+        name, _, part = key.rpartition(".")
+        if part in TENSOR_PARTS:
+            parts.setdefault(name, {})[part] = t
+        else:
+            floating[key] = t
+    packed = {}
+    for name, tensors in parts.items():
+        try:
+            packed[name] = NF4Weight.from_tensors(tensors)
+        except FormatError as e:
+            raise FormatError(f"checkpoint tensor {name!r}: {e}") from e
+        if packed[name].double_quant != (storage == "nf4_double_quant"):
+            raise FormatError(f"checkpoint tensor {name!r} has double_quant={packed[name].double_quant}, "
+                              f"but the checkpoint's storage is {storage!r}")
+    for name, t in floating.items():
+        if t.dim() != 1 or t.dtype != torch.float32:
+            raise FormatError(f"checkpoint tensor {name!r} is a {t.dtype} tensor of shape {tuple(t.shape)} in "
+                              f"a {storage!r} checkpoint, where only FP32 norm vectors stay floating")
+    return {**floating, **packed}

@@ -6,8 +6,8 @@
 
 Every method exports through `Method.lora_factors` (delta W = s * B @ A). PEFT scales by
 lora_alpha / r, or lora_alpha / sqrt(r) with use_rslora, so rsLoRA writes its alpha with
-use_rslora = true and every other method writes lora_alpha = s * r (LoRA and LoRA-FA: alpha;
-TinyLoRA: r, i.e. scale 1, with A = V_r^T and B = U_r diag(S_r) R materialised at rank r).
+use_rslora = true, LoRA and LoRA-FA write their alpha, and TinyLoRA writes lora_alpha = r (scale 1)
+with A = V_r^T and B = U_r diag(S_r) R materialised at rank r.
 
 Hugging Face keeps Q and K rows in the half-split RoPE layout where GGUF uses adjacent pairs, so
 B's rows of q/k targets go through `names.to_hf` (the inverse of llama.cpp's conversion permute);
@@ -53,11 +53,14 @@ def target_modules(targets, config) -> list[str]:
 def peft_config(model) -> dict:
     cfg = model._method.config
     rs = cfg.method == "rslora"
+    # PEFT's scaling is lora_alpha / r (or / sqrt(r)): the alpha as trained where the method has one,
+    # else s * r (TinyLoRA: r, scale 1)
+    alpha = cfg.alpha if cfg.method in ("lora", "rslora", "lora_fa") else cfg.scale * cfg.rank
     return {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
         "r": cfg.rank,
-        "lora_alpha": cfg.alpha if rs else cfg.scale * cfg.rank,
+        "lora_alpha": alpha,
         "use_rslora": rs,
         "target_modules": target_modules(cfg.targets, model._source.config),
         "lora_dropout": 0.0,

@@ -31,12 +31,32 @@ class Source:
     metadata_path: str          # a GGUF holding these fields (the source, or a checkpoint's copy)
 
 
+class CanonicalHash:
+    """canonical_sha256 fed one tensor at a time, in canonical order: streamed imports and exports
+    hash each matrix while it is in memory and then drop it. Order and shapes are checked."""
+
+    def __init__(self, config):
+        self._h = hashlib.sha256(b"aner.canonical/1")
+        self._expected = iter(names.expected(config).items())
+
+    def update(self, name: str, values) -> None:
+        """values: the tensor's FP32 values (torch tensor or numpy array), hashed without a copy."""
+        expected, (_, _, shape) = next(self._expected, (None, (None, None, None)))
+        assert name == expected and tuple(values.shape) == tuple(shape), (name, expected, values.shape, shape)
+        if isinstance(values, torch.Tensor):
+            values = values.detach().cpu().numpy()
+        self._h.update(f"{name}:{tuple(shape)};".encode())
+        self._h.update(np.ascontiguousarray(values, dtype="<f4"))
+
+    def hexdigest(self) -> str:
+        assert next(self._expected, None) is None, "not every tensor was hashed"
+        return self._h.hexdigest()
+
+
 def canonical_sha256(config, weights: dict) -> str:
-    h = hashlib.sha256(b"aner.canonical/1")
-    for name, (_, _, shape) in names.expected(config).items():
-        w = weights[name]
-        h.update(f"{name}:{tuple(shape)};".encode())
-        h.update(np.ascontiguousarray(w.detach().cpu().numpy(), dtype="<f4").tobytes())
+    h = CanonicalHash(config)
+    for name in names.expected(config):
+        h.update(name, weights[name])
     return h.hexdigest()
 
 
@@ -185,12 +205,38 @@ class PretrainedModel:
         tensors = {k: v.to(self._device) for k, v in method.init(self._dense_targets(config.targets)).items()}
         return self._derive(method=method, adapter_tensors=tensors, state=None)
 
-    def _dense_targets(self, targets) -> dict:
-        return {t: (w if isinstance(w, torch.Tensor) else w.dequantize()).cpu()
-                for t, w in self._weights.items() if t in targets}
+    def _dense_targets(self, targets):
+        """target -> FP32 CPU matrix; a packed target is decoded when read, one at a time."""
+        from ..quant.storage import DecodedTargets
+        return DecodedTargets({t: w for t, w in self._weights.items() if t in targets})
 
     def _shapes(self) -> dict:
         return {n: tuple(s) for n, (_, _, s) in names.expected(self._source.config).items()}
+
+    def nf4(self, double_quant=True) -> "PretrainedModel":
+        """This unchanged floating base with every matrix packed to NF4 (norm vectors stay FP32),
+        frozen: train it through an adapter. The original handle keeps its own FP32 weights."""
+        from ..quant.storage import (PACK_WORKSPACE_BYTES, check_double_quant, pack_weights, stored_nbytes,
+                                     storage_name)
+        self._require_unchanged("nf4 conversion")
+        double_quant = check_double_quant(double_quant)
+        if self._storage != "float32":
+            raise ConfigError(f"nf4 conversion is refused: this base is already {self._storage}; "
+                              "convert the floating base it came from")
+        shapes = self._shapes().values()
+        owned = self.memory_summary().weight_bytes + sum(stored_nbytes(s, double_quant) for s in shapes)
+        admit("nf4 conversion (packed weights beside this model's FP32 weights, plus packing workspace)",
+              owned + PACK_WORKSPACE_BYTES, self._budget)
+        return self._derive(weights=pack_weights(self._weights, double_quant), storage=storage_name(double_quant))
+
+    def qlora(self, targets=None, rank=8, alpha=16.0, seed=0) -> "PretrainedModel":
+        """QLoRA: LoRA on a frozen NF4 base. A floating base is packed first with double quantization;
+        an already packed base keeps its scale format (nf4 or nf4_double_quant)."""
+        from ..adapters import registry
+        self._require_unchanged("qlora selection")
+        registry.config("lora", targets, rank, alpha, seed, self._source.config, self._shapes())  # fail before packing
+        base = self if self._storage != "float32" else self.nf4(double_quant=True)
+        return base.lora(targets, rank, alpha, seed)
 
     def lora(self, targets=None, rank=8, alpha=16.0, seed=0) -> "PretrainedModel":
         return self._adapter("lora", targets, rank, alpha, seed)
@@ -352,12 +398,15 @@ class PretrainedModel:
 
     def merged_weights(self) -> dict:
         """FP32 weights with every adapter delta folded in, one matrix at a time (CPU tensors)."""
+        return dict(self.iter_merged_weights())
+
+    def iter_merged_weights(self, merge=True):
+        """(name, FP32 CPU tensor) in canonical order, decoding/merging one matrix per step, so a
+        streamed export of a packed base holds one dense matrix at a time. merge=False: the base alone."""
         adapter = {k: v.detach().cpu() for k, v in self._adapter_tensors.items()}
-        out = {}
         for name in self.parameter_names():
             w = self._weights[name]
             w = (w if isinstance(w, torch.Tensor) else w.dequantize()).detach().cpu()
-            if self._method is not None and name in self._method.config.targets:
+            if merge and self._method is not None and name in self._method.config.targets:
                 w = w + self._method.delta(name, adapter)
-            out[name] = w
-        return out
+            yield name, w

@@ -37,6 +37,8 @@ NF4_BLOCK = 64              # elements per NF4 absmax block (QLoRA, bnb default)
 ABSMAX_BLOCK = 256          # absmax values per dynamic8 block under double quantization (bnb)
 DEFAULT_TILE_BYTES = 4 << 20    # decoded FP32 weight tile limit of nf4_linear: 4 MiB
 FORMAT_VERSION = 1          # of the flat tensor dict written by NF4Weight.tensors()
+# Every key NF4Weight.tensors() may write (checkpoints store them as `<name>.<part>`).
+TENSOR_PARTS = ("nf4_version", "shape", "codes", "absmax", "absmax_codes", "absmax_scales", "absmax_offset")
 
 # bnb `get_4bit_type("nf4")`: the 16 quantiles of N(0, 1) rescaled to [-1, 1], with an exact 0.
 NF4_CODEBOOK = torch.tensor([
@@ -315,6 +317,11 @@ class NF4Weight:
             scale = self.absmax[block]
         out = NF4_CODEBOOK[idx.long()] * scale
         return out.reshape(*row_indices.shape, cols).to(row_indices.device)
+
+    def module(self, tile_bytes: int = DEFAULT_TILE_BYTES):
+        """This weight as a projection/embedding module (`aner.quant.module.NF4Module`)."""
+        from .module import NF4Module
+        return NF4Module(self, tile_bytes)
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """Flat dict for a safetensors checkpoint; the caller prefixes the names."""
