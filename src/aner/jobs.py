@@ -2,7 +2,7 @@
 
     plan = model.fine_tune_plan(training, validation, steps=20, accumulation=4)   # validated now
     job = plan.checkpoints(directory="checkpoints", every=5).start()              # queued
-    job.status(); job.updates(); job.checkpoint("manual-1"); job.stop()           # observe, steer
+    job.status(); job.updates(); job.history(); job.checkpoint("manual-1"); job.stop()  # observe, steer
     result = job.wait()                  # a PretrainedResult, also for a failed run
     result.model() if result.status() != "failed" else result.error()
 
@@ -40,6 +40,7 @@ import dataclasses
 import math
 import os
 import threading
+import time
 import weakref
 from collections import deque
 from dataclasses import dataclass
@@ -173,6 +174,15 @@ class JobProgress:
     steps: int
 
 
+@dataclass(frozen=True)
+class UpdateRecord:
+    """One committed update of a job, as `job.history()` reports it (live metrics, plots)."""
+    update: int             # the model's cumulative update counter after this update
+    loss: float             # its training loss (token-weighted over its window)
+    scored_tokens: int      # scored training tokens in its window
+    seconds: float          # since the job started running, when the update committed
+
+
 class _Request:
     """One manual checkpoint request; served by the worker or, once the job ended, by its caller."""
 
@@ -192,6 +202,8 @@ class _Record:
         self.stop_requested = False     # set without the lock (by a finalizer); read at boundaries
         self.requests: deque[_Request] = deque()
         self.checkpoints: list[str] = []
+        self.history: list[UpdateRecord] = []
+        self.started = 0.0              # time.perf_counter() when the job started running
         self.run_dir: Path | None = None
         self.result: PretrainedResult | None = None
 
@@ -220,6 +232,10 @@ class PretrainedJob:
 
     def progress(self) -> JobProgress:
         return _EXECUTOR.progress(self._record)
+
+    def history(self, start: int = 0) -> tuple[UpdateRecord, ...]:
+        """This job's committed updates from the `start`-th on (0: all), in order."""
+        return _EXECUTOR.history(self._record, start)
 
     def stop(self) -> None:
         """Stop at the next committed update boundary (a queued job is removed at once)."""
@@ -293,6 +309,10 @@ class _Executor:
         with self._cond:
             return JobProgress(record.status, record.updates, record.scored_tokens, record.plan.steps)
 
+    def history(self, record: _Record, start: int) -> tuple[UpdateRecord, ...]:
+        with self._cond:
+            return tuple(record.history[start:])
+
     def stop(self, record: _Record) -> None:
         with self._cond:
             record.stop_requested = True
@@ -340,6 +360,7 @@ class _Executor:
                     return
                 record = self._running = self._queue.popleft()
                 record.status = "running"
+                record.started = time.perf_counter()
                 self._cond.notify_all()
             result = self._execute(record)
             with self._cond:
@@ -379,6 +400,9 @@ class _Executor:
         and whether to go on. An automatic checkpoint error propagates and fails the job."""
         plan = record.plan
         with self._cond:
+            tokens = state.scored_tokens - plan.state.scored_tokens - record.scored_tokens
+            record.history.append(UpdateRecord(state.updates, state.losses[-1], tokens,
+                                               time.perf_counter() - record.started))
             record.updates = state.updates - plan.state.updates
             record.scored_tokens = state.scored_tokens - plan.state.scored_tokens
             requests = list(record.requests)

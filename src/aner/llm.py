@@ -177,6 +177,21 @@ class LLMModel:
         prompt = tok.apply_template(messages, add_assistant=True)
         return self._complete(tok.tokenize(prompt), max_tokens, temperature, seed)
 
+    def stream_chat(self, messages, max_tokens: int = 32, temperature: float = 0.0, seed: int = 0):
+        """chat(...) as it is generated: an iterator of text pieces whose concatenation is
+        chat(...).text(). Arguments are checked now; use no other method of this handle until
+        the iterator is exhausted or closed."""
+        tok = self._require_open()
+        prompt = tok.tokenize(tok.apply_template(messages, add_assistant=True))
+        return self._pieces(self._tokens(prompt, max_tokens, temperature, seed))
+
+    def stream(self, prompt: str, max_tokens: int = 32, temperature: float = 0.0, seed: int = 0):
+        """generate(...) as it is generated: text pieces whose concatenation is generate(...).text()."""
+        tok = self._require_open()
+        if not isinstance(prompt, str):
+            raise DataError(f"prompt must be a str, got {type(prompt).__name__}")
+        return self._pieces(self._tokens(tok.tokenize(prompt), max_tokens, temperature, seed))
+
     def logits(self, tokens) -> np.ndarray:
         """Logits of every position of `tokens`, (len(tokens), vocab) float32, from an empty cache:
         row i scores the token after tokens[: i + 1]."""
@@ -194,6 +209,12 @@ class LLMModel:
         return self._require_open()
 
     def _complete(self, prompt: list[int], max_tokens, temperature, seed) -> Generation:
+        out = list(self._tokens(prompt, max_tokens, temperature, seed))
+        finish = "stop" if len(out) < max_tokens else "length"   # fewer tokens: an end-of-generation token came
+        return Generation(tuple(out), tuple(prompt), finish, self._tokenizer.detokenize(out))
+
+    def _tokens(self, prompt: list[int], max_tokens, temperature, seed):
+        """Check the sampling arguments now; return an iterator of the generated tokens."""
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
             raise ConfigError(f"max_tokens {max_tokens!r} is not accepted; accepted: a whole number >= 1")
         if isinstance(temperature, bool) or not isinstance(temperature, Real) or not (
@@ -207,6 +228,9 @@ class LLMModel:
             raise ConfigError(f"max_tokens={max_tokens} does not fit: the prompt has {len(prompt)} tokens "
                               f"and the context is {self.context}; accepted: max_tokens <= "
                               f"{self.context - len(prompt)}, or load with a larger context")
+        return self._sample(prompt, max_tokens, temperature, seed)
+
+    def _sample(self, prompt: list[int], max_tokens, temperature, seed):
         llama = engine()
         chain = llama.llama_sampler_chain_init(llama.llama_sampler_chain_default_params())
         if temperature == 0:
@@ -214,21 +238,32 @@ class LLMModel:
         else:  # plain temperature sampling: no top-k / top-p truncation
             llama.llama_sampler_chain_add(chain, llama.llama_sampler_init_temp(float(temperature)))
             llama.llama_sampler_chain_add(chain, llama.llama_sampler_init_dist(seed))
-        out, finish = [], "length"
         try:
             llama.llama_memory_clear(self._memory, True)
             self._decode(prompt, start=0, all_logits=False)
             for step in range(max_tokens):
                 token = llama.llama_sampler_sample(chain, self._ctx, -1)
                 if self._tokenizer.is_end_of_generation(token):
-                    finish = "stop"
-                    break
-                out.append(token)
+                    return
+                yield token
                 if step + 1 < max_tokens:
                     self._decode([token], start=len(prompt) + step, all_logits=False)
         finally:
             llama.llama_sampler_free(chain)
-        return Generation(tuple(out), tuple(prompt), finish, self._tokenizer.detokenize(out))
+
+    def _pieces(self, tokens):
+        """Text pieces of a token stream. The whole sequence is detokenized each time (a piece is
+        the new suffix), and a piece ending inside a UTF-8 character waits for its next token."""
+        out, sent = [], ""
+        for token in tokens:
+            out.append(token)
+            text = self._tokenizer.detokenize(out)
+            if not text.endswith("\ufffd"):
+                yield text[len(sent):]
+                sent = text
+        text = self._tokenizer.detokenize(out)
+        if text != sent:
+            yield text[len(sent):]
 
     def _check_length(self, n: int, what: str) -> None:
         if n == 0:

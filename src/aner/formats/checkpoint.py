@@ -20,6 +20,7 @@ from safetensors.torch import load_file, save_file
 from ..errors import ArtifactError, FormatError
 from .gguf import read_gguf, write_gguf
 from .publish import sha256_file, staged_dir
+from ..train.device import execution_profile
 
 FORMAT = "aner.checkpoint"
 VERSION = 1
@@ -57,6 +58,9 @@ def write_checkpoint(model, path) -> str:
             "budget_bytes": model._budget,
             "storage": model._storage,
             "tied_embeddings": src.config.tied_embeddings,
+            "profile": model._profile.as_dict(),
+            "execution": execution_profile(model._device),
+            "loss_scale": state.loss_scale.as_dict() if state else None,
             "source": {"path": src.path, "sha256": src.sha256, "canonical_sha256": src.canonical_sha256,
                        "tokenizer_sha256": src.tokenizer_sha256},
             "adapter": model._method.config.as_dict() if model._method else None,
@@ -125,6 +129,8 @@ def read_checkpoint(path, device: str, budget: int):
     from ..train.loop import RunConfig, TrainState
     from ..errors import ConfigError
     from ..train.memory import admit
+    from ..train.profile import Profile
+    from ..train.scaler import LossScale
 
     path = Path(path)
     manifest = read_manifest(path)
@@ -135,6 +141,10 @@ def read_checkpoint(path, device: str, budget: int):
     if manifest["device"] != device:
         raise ConfigError(f"checkpoint {str(path)!r} resumes on its recorded device {manifest['device']!r}; "
                           f"got device={device!r}")
+    if manifest["execution"] != execution_profile(device):
+        raise ArtifactError(f"checkpoint {str(path)!r} was written on {manifest['execution']}; this process runs "
+                            f"on {execution_profile(device)}. Exact resume needs the same execution profile")
+    profile = Profile.from_dict(manifest["profile"])
     admit("loading this checkpoint", sum((path / f).stat().st_size for f in manifest["files"]), budget)
     meta = read_gguf(path / "metadata.gguf")
     config = LlamaConfig.from_gguf(meta, tied=manifest["tied_embeddings"])
@@ -162,15 +172,18 @@ def read_checkpoint(path, device: str, budget: int):
         opt = load_file(str(path / "optimizer.safetensors"))
         moments = {k[:-len(".exp_avg")]: (opt[k], opt[k + "_sq"]) for k in sorted(opt) if k.endswith(".exp_avg")}
         c = manifest["counters"]
+        # Paged moments live in pinned host memory; resident ones on the training device.
+        place = (lambda t: t.pin_memory()) if profile.optimizer == "paged_adamw" else (lambda t: t.to(device))
         state = TrainState(RunConfig(**manifest["run"]), manifest["data"]["training_sha256"],
                            manifest["data"]["validation_sha256"], c["updates"], c["scored_tokens"], c["cursor"],
-                           {n: (m.to(device), v.to(device)) for n, (m, v) in moments.items()},
-                           manifest["validation_loss"], tuple(manifest["losses"]))
+                           {n: (place(m), place(v)) for n, (m, v) in moments.items()},
+                           manifest["validation_loss"], tuple(manifest["losses"]),
+                           LossScale(**manifest["loss_scale"]))
     return PretrainedModel(
         source=source, device=device, budget=budget,
         weights={n: w.to(device) if isinstance(w, torch.Tensor) else w for n, w in weights.items()},  # NF4 stays on the host
         storage=manifest["storage"], method=method, adapter_tensors={n: t.to(device) for n, t in adapter.items()},
-        state=state, lineage=manifest["lineage"], lineage_examples=manifest["lineage_examples"])
+        state=state, lineage=manifest["lineage"], lineage_examples=manifest["lineage_examples"], profile=profile)
 
 
 def _unpack_weights(raw: dict, storage: str) -> dict:

@@ -12,6 +12,7 @@ import torch
 
 from ..errors import ConfigError, ResourceError, UnsupportedModelError
 from ..train.memory import MemorySummary, activation_bytes, admit
+from ..train.profile import Profile
 from . import names
 from .build import build
 from .config import LlamaConfig
@@ -86,7 +87,7 @@ class PretrainedModel:
         self._state = state                # train.loop.TrainState or None
         self._lineage = tuple(lineage)     # SHA-256 of every training set this model has learned from
         self._lineage_examples = frozenset(lineage_examples)
-        self._profile = profile
+        self._profile = profile or Profile()
         self._module = None
 
     def _derive(self, **changes) -> "PretrainedModel":
@@ -163,14 +164,44 @@ class PretrainedModel:
         trainable = adapter if self._method is not None else (floating if self._storage == "float32" else 0)
         optimizer = sum(m.numel() * 4 + v.numel() * 4 for m, v in self._state.moments.values()) \
             if self._state else 0
+        paged = self._profile.optimizer == "paged_adamw"
         return MemorySummary(
             weight_bytes=floating + packed, floating_base_bytes=floating, packed_base_bytes=packed,
             adapter_bytes=adapter, frozen_adapter_bytes=frozen, trainable_bytes=trainable,
             optimizer_bytes=optimizer, dequant_tile_bytes=self._dequant_tile_bytes(),
-            estimated_budget_bytes=self._budget, compute_dtype="float32", storage=self._storage)
+            estimated_budget_bytes=self._budget, compute_dtype=self._profile.precision, storage=self._storage,
+            paged_optimizer=paged, paged_optimizer_bytes=optimizer if paged else 0,
+            optimizer_window_bytes=4 * self._profile.page_bytes if paged else 0)
 
     def _dequant_tile_bytes(self) -> int:
         return 0 if self._storage == "float32" else 4 << 20
+
+    # ---- placement and profile --------------------------------------------------------------
+    def to(self, device) -> "PretrainedModel":
+        """The same untrained model on `device` (the source stays usable where it is)."""
+        if self._state is not None:
+            raise ConfigError(f"moving a trained model is refused: a trained model resumes on its recorded "
+                              f"device {self._device!r}; move the untrained selection instead")
+        device = check_device(device)
+        self._profile.check_placement(device, self._storage)
+        move = lambda t: t.to(device) if isinstance(t, torch.Tensor) else t  # noqa: E731 packed stays on host
+        return self._derive(device=device, weights={n: move(w) for n, w in self._weights.items()},
+                            adapter_tensors={n: t.to(device) for n, t in self._adapter_tensors.items()})
+
+    def with_training_profile(self, precision="float32", optimizer="adamw", nf4_kernel="host_tiled",
+                              page_bytes=2097152) -> "PretrainedModel":
+        """Select the numerical profile of training; only an untrained model can change it."""
+        if self._state is not None:
+            raise ConfigError("changing the training profile of a trained model is refused: exact resume "
+                              f"keeps the recorded profile {self._profile.as_dict()}")
+        profile = Profile(precision, optimizer, nf4_kernel, page_bytes)
+        profile.check_placement(self._device, self._storage)
+        return self._derive(profile=profile)
+
+    def training_profile(self) -> dict:
+        scale = self._state.loss_scale if self._state else None
+        return {**self._profile.as_dict(), "master_dtype": "float32",
+                "loss_scale": scale.as_dict() if scale and self._profile.precision == "float16" else None}
 
     # ---- running the model ------------------------------------------------------------------
     def module(self):
@@ -375,7 +406,7 @@ class PretrainedModel:
             def boundary(s):
                 return on_update(s, lambda: trained(replace(s, validation_loss=None)))
         state = run(model, tensors, trainable, self._method, training, validation, state, steps,
-                    self._device, progress, boundary)
+                    self._device, progress, boundary, self._profile)
         return trained(state)
 
     # ---- artifacts --------------------------------------------------------------------------

@@ -25,3 +25,14 @@ def require_cuda(device: str) -> None:
     torch.use_deterministic_algorithms(True)
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
+
+
+def execution_profile(device: str) -> dict:
+    """What a bitwise replay depends on beyond the backend identity (which already names torch
+    and the thread count): for CUDA the device, its capability and the cuBLAS policy."""
+    if device == "cpu":
+        return {"device": "cpu"}
+    p = torch.cuda.get_device_properties(device)
+    return {"device": "cuda", "name": p.name, "capability": f"{p.major}.{p.minor}",
+            "multiprocessors": p.multi_processor_count, "memory_bytes": p.total_memory,
+            "cuda_runtime": torch.version.cuda, "cublas_workspace": os.environ.get("CUBLAS_WORKSPACE_CONFIG")}

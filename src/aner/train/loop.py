@@ -20,7 +20,9 @@ import torch.nn.functional as F
 
 from ..adapters.base import seeded
 from ..errors import ConfigError, DataError
-from .optim import AdamW, clip_by_global_norm
+from .optim import AdamW, all_finite, clip_by_global_norm
+from .profile import Profile
+from .scaler import LossScale
 
 MAX_STEPS = 1_000_000
 MAX_MICRO_BATCH = 4096
@@ -71,6 +73,7 @@ class TrainState:
     moments: dict = field(default_factory=dict)   # name -> (exp_avg, exp_avg_sq), FP32
     validation_loss: float | None = None
     losses: tuple[float, ...] = ()      # training loss of each committed update
+    loss_scale: LossScale = LossScale() # FP16 only; kept (and checkpointed) for every profile
 
 
 def order(seed: int, epoch: int, n: int) -> list[int]:
@@ -96,32 +99,42 @@ def batch(examples, device):
     return tokens[:, :-1].to(device), tokens[:, 1:].to(device), mask[:, 1:].to(device)
 
 
-def summed_loss(model, examples, device) -> torch.Tensor:
+def summed_loss(model, examples, device, profile=Profile()) -> torch.Tensor:
     """Sum of FP32 cross-entropy over the scored tokens of `examples`."""
     inputs, targets, mask = batch(examples, device)
-    logits = model(inputs)                                   # (B, T-1, V) FP32
-    return F.cross_entropy(logits[mask], targets[mask], reduction="sum")
+    with profile.autocast(device):
+        logits = model(inputs)                               # (B, T-1, V), FP32 out of the head
+    return F.cross_entropy(logits[mask].float(), targets[mask], reduction="sum")
 
 
 @torch.no_grad()
-def evaluate(model, data, device) -> float:
+def evaluate(model, data, device, profile=Profile()) -> float:
     """Token-weighted loss: total cross-entropy over all scored tokens / their count (float64 sum)."""
     total = 0.0
     for e in data.items:
-        total += float(summed_loss(model, [e], device))
+        total += float(summed_loss(model, [e], device, profile))
     return total / data.scored_tokens()
 
 
+def make_optimizer(profile: Profile, rate: float, device: str):
+    if profile.optimizer == "paged_adamw":
+        from .paged import PagedAdamW
+        return PagedAdamW(AdamW(rate), profile.page_bytes, device)
+    return AdamW(rate)
+
+
 def run(model, params: dict, trainable: dict, method, training, validation, state: TrainState,
-        steps: int, device, progress: bool | None = None, on_update=None) -> TrainState:
+        steps: int, device, progress: bool | None = None, on_update=None, profile=Profile()) -> TrainState:
     """Apply `steps` updates to `trainable` (leaf tensors inside `model`) in place; return the new state.
 
     `params` is every tensor the method's preconditioner may read (adapter tensors).
     `on_update(state)` is called after every committed update (jobs use it to stop and checkpoint);
     returning False stops the run at that boundary.
     """
-    optimizer = AdamW(state.run.rate)
-    moments = state.moments or {n: (torch.zeros_like(t), torch.zeros_like(t)) for n, t in trainable.items()}
+    optimizer = make_optimizer(profile, state.run.rate, device)
+    moments = state.moments or optimizer.init_moments(trainable)
+    fp16 = profile.precision == "float16"
+    scale = state.loss_scale
     n = training.examples()
     bar = _Progress(steps) if (progress if progress is not None else sys.stderr.isatty()) else None
     losses = list(state.losses)
@@ -129,25 +142,36 @@ def run(model, params: dict, trainable: dict, method, training, validation, stat
         idx = window(state, n)
         examples = [training.items[i] for i in idx]
         window_tokens = sum(e.scored for e in examples)
-        for t in trainable.values():
-            t.grad = None
-        window_loss = 0.0
-        for start in range(0, len(examples), state.run.micro_batch):
-            loss = summed_loss(model, examples[start:start + state.run.micro_batch], device)
-            if not torch.isfinite(loss):
-                raise DataError(f"the training loss became non-finite ({float(loss)}) at update "
-                                f"{state.updates + 1}; lower the rate")
-            (loss / window_tokens).backward()
-            window_loss += float(loss.detach())
-        grads = {name: t.grad for name, t in trainable.items()}
-        method_hook = getattr(method, "precondition", None)
-        if method_hook is not None:
-            method_hook(grads, params)
+        while True:  # one pass, or FP16 replays of the same window after an overflow
+            for t in trainable.values():
+                t.grad = None
+            window_loss = 0.0
+            for start in range(0, len(examples), state.run.micro_batch):
+                loss = summed_loss(model, examples[start:start + state.run.micro_batch], device, profile)
+                if not torch.isfinite(loss):
+                    raise DataError(f"the training loss became non-finite ({float(loss)}) at update "
+                                    f"{state.updates + 1}; lower the rate")
+                # FP16: scale the summed loss; otherwise divide by the window's scored tokens now.
+                (loss * scale.scale if fp16 else loss / window_tokens).backward()
+                window_loss += float(loss.detach())
+            grads = {name: t.grad for name, t in trainable.items()}
+            if not fp16:
+                break
+            if all_finite(grads):
+                for g in grads.values():
+                    g.div_(scale.scale * window_tokens)  # unscale: power of two times an integer, exact
+                break
+            scale = scale.overflowed(state.updates + 1)
+        if method is not None:
+            method.precondition(grads, params)
         clip_by_global_norm(grads, state.run.clip_norm)
         optimizer.step(trainable, grads, moments, state.updates + 1)
+        if fp16:
+            scale = scale.succeeded()
         losses.append(window_loss / window_tokens)
         state = replace(state, updates=state.updates + 1, scored_tokens=state.scored_tokens + window_tokens,
-                        cursor=state.cursor + len(examples), moments=moments, losses=tuple(losses))
+                        cursor=state.cursor + len(examples), moments=moments, losses=tuple(losses),
+                        loss_scale=scale)
         if bar:
             bar.update(losses[-1], window_tokens)
         if on_update is not None and on_update(state) is False:
@@ -156,7 +180,7 @@ def run(model, params: dict, trainable: dict, method, training, validation, stat
         t.grad = None
     if bar:
         bar.close()
-    return replace(state, validation_loss=evaluate(model, validation, device))
+    return replace(state, validation_loss=evaluate(model, validation, device, profile))
 
 
 class _Progress:

@@ -45,6 +45,10 @@ class MemorySummary:
     estimated_budget_bytes: int
     compute_dtype: str
     storage: str
+    paged_optimizer: bool = False
+    paged_optimizer_bytes: int = 0     # moments held in pinned host memory (part of optimizer_bytes)
+    optimizer_window_bytes: int = 0    # GPU buffers the paged optimizer streams them through
+    gpu_packed_base_bytes: int = 0     # the fused kernels' device copy of the packed base
     scope: str = SCOPE
 
     def as_dict(self) -> dict:
@@ -52,7 +56,8 @@ class MemorySummary:
 
     def __str__(self):
         mib = lambda n: f"{n:,} B ({n / 2**20:.2f} MiB)"  # noqa: E731
-        rows = [(k, mib(v) if isinstance(v, int) else v) for k, v in asdict(self).items() if k != "scope"]
+        rows = [(k, mib(v) if isinstance(v, int) and not isinstance(v, bool) else v)
+                for k, v in asdict(self).items() if k != "scope"]
         width = max(len(k) for k, _ in rows)
         return "\n".join([f"{k:<{width}}  {v}" for k, v in rows] + [f"scope: {self.scope}"])
 

@@ -4,7 +4,9 @@ The update is torch.optim.AdamW's (decoupled weight decay, bias-corrected moment
     m = b1 m + (1 - b1) g;  v = b2 v + (1 - b2) g^2
     p -= lr * (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps) + lr * wd * p
 Each tensor is updated on its own, in a fixed order, with no fused or multi-tensor kernels, so
-the same inputs give the same bits and a resumed run replays an uninterrupted one exactly.
+the same inputs give the same bits and a resumed run replays an uninterrupted one exactly. Every
+operation is elementwise, so updating a tensor in chunks (the paged optimizer) gives the same bits
+as updating it whole.
 """
 from dataclasses import dataclass
 
@@ -19,19 +21,25 @@ class AdamW:
     weight_decay: float = 0.0
 
     @torch.no_grad()
-    def step(self, params: dict, grads: dict, moments: dict, t: int) -> None:
-        """Update `params` and `moments` in place for update number `t` (1-based)."""
+    def update(self, p, g, m, v, t: int) -> None:
+        """One AdamW update of (a slice of) a parameter and its moments, in place."""
         b1, b2 = self.betas
         c1, c2 = 1 - b1 ** t, 1 - b2 ** t
+        m.mul_(b1).add_(g, alpha=1 - b1)
+        v.mul_(b2).addcmul_(g, g, value=1 - b2)
+        if self.weight_decay:
+            p.mul_(1 - self.rate * self.weight_decay)
+        denom = (v / c2).sqrt_().add_(self.eps)
+        p.addcdiv_(m, denom, value=-self.rate / c1)
+
+    def init_moments(self, params: dict) -> dict:
+        return {n: (torch.zeros_like(p), torch.zeros_like(p)) for n, p in params.items()}
+
+    def step(self, params: dict, grads: dict, moments: dict, t: int) -> None:
+        """Update `params` and `moments` in place for update number `t` (1-based)."""
         for name in sorted(params):
-            p, g = params[name], grads[name]
             m, v = moments[name]
-            m.mul_(b1).add_(g, alpha=1 - b1)
-            v.mul_(b2).addcmul_(g, g, value=1 - b2)
-            if self.weight_decay:
-                p.mul_(1 - self.rate * self.weight_decay)
-            denom = (v / c2).sqrt_().add_(self.eps)
-            p.addcdiv_(m, denom, value=-self.rate / c1)
+            self.update(params[name], grads[name], m, v, t)
 
 
 @torch.no_grad()
@@ -46,3 +54,9 @@ def clip_by_global_norm(grads: dict, clip_norm: float) -> float:
         for g in grads.values():
             g.mul_(factor)
     return norm
+
+
+def all_finite(grads: dict) -> bool:
+    """One device-side reduction and a single host synchronisation for the whole gradient set."""
+    flags = torch.stack([torch.isfinite(g).all() for _, g in sorted(grads.items())])
+    return bool(flags.all())

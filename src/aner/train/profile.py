@@ -1,0 +1,77 @@
+"""Training profiles: the numerical choices a user makes explicitly, and nothing chosen for them.
+
+    precision  float32 | float16 | bfloat16   operation policy for projections and attention
+    optimizer  adamw | paged_adamw            where the FP32 Adam moments live
+    nf4_kernel host_tiled | fused             how a packed NF4 base is decoded
+    page_bytes 4 KiB .. 64 MiB, 4096-aligned  the paged optimizer's chunk per moment
+
+Mixed precision is an operation policy, not a conversion: master weights, their gradients, the
+Adam moments, RMSNorm, RoPE, softmax and the loss stay FP32; only projection and attention matrix
+products take FP16/BF16 operands (accumulating in FP32 inside the GEMM). Adapter contractions stay
+FP32 too. FP16 needs loss scaling (`scaler.py`); BF16 has FP32's exponent range and uses none.
+"""
+import contextlib
+from dataclasses import asdict, dataclass
+
+import torch
+
+from ..errors import ConfigError
+
+PRECISIONS = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+OPTIMIZERS = ("adamw", "paged_adamw")
+NF4_KERNELS = ("host_tiled", "fused")
+MIN_PAGE, MAX_PAGE, DEFAULT_PAGE = 4 << 10, 64 << 20, 2 << 20
+
+
+@dataclass(frozen=True)
+class Profile:
+    precision: str = "float32"
+    optimizer: str = "adamw"
+    nf4_kernel: str = "host_tiled"
+    page_bytes: int = DEFAULT_PAGE
+
+    def __post_init__(self):
+        if self.precision not in PRECISIONS:
+            raise ConfigError(f"precision={self.precision!r} is not supported; accepted: {', '.join(PRECISIONS)}")
+        if self.optimizer not in OPTIMIZERS:
+            raise ConfigError(f"optimizer={self.optimizer!r} is not supported; accepted: {', '.join(OPTIMIZERS)}")
+        if self.nf4_kernel not in NF4_KERNELS:
+            raise ConfigError(f"nf4_kernel={self.nf4_kernel!r} is not supported; accepted: {', '.join(NF4_KERNELS)}")
+        p = self.page_bytes
+        if isinstance(p, bool) or not isinstance(p, int) or not MIN_PAGE <= p <= MAX_PAGE or p % 4096:
+            raise ConfigError(f"page_bytes={p!r} is not accepted; accepted: a multiple of 4096 from "
+                              f"{MIN_PAGE} (4 KiB) to {MAX_PAGE} (64 MiB)")
+
+    def check_placement(self, device: str, storage: str) -> None:
+        """Refuse combinations this build cannot run; never substitute another."""
+        if device == "cpu" and self.precision != "float32":
+            raise ConfigError(f"precision={self.precision!r} needs a CUDA device; on device='cpu' use "
+                              "precision='float32'")
+        if device == "cpu" and self.optimizer == "paged_adamw":
+            raise ConfigError("optimizer='paged_adamw' pages moments between host and GPU and needs a CUDA "
+                              "device; on device='cpu' use optimizer='adamw'")
+        if self.nf4_kernel == "fused":
+            if device == "cpu":
+                raise ConfigError("nf4_kernel='fused' runs GPU kernels and needs a CUDA device; "
+                                  "on device='cpu' use nf4_kernel='host_tiled'")
+            from ..kernels import fused_available
+            if not fused_available():
+                raise ConfigError("nf4_kernel='fused' is not available in this build (the fused NF4 "
+                                  "kernels are not part of it yet); use nf4_kernel='host_tiled'")
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return PRECISIONS[self.precision]
+
+    def autocast(self, device: str):
+        """The operation policy as a context: low-precision matmuls, everything else FP32."""
+        if self.precision == "float32":
+            return contextlib.nullcontext()
+        return torch.autocast(device_type="cuda", dtype=self.compute_dtype)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Profile":
+        return cls(**data)

@@ -1,0 +1,154 @@
+"""CUDA placement, precision profiles, paged AdamW and exact resume on the GPU.
+
+Skipped where no CUDA device exists (development machines and CI); run on the GPU machine with
+CUBLAS_WORKSPACE_CONFIG=:4096:8 (see benchmarks/gpu_profiles.py for the matrix over real shapes).
+"""
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from aner import gen
+from aner.errors import ConfigError, ResourceError
+from conftest import EXAMPLES
+from fixtures import Shape
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+DEV = "cuda:0"
+PAGE = 4096  # the smallest page: many chunks even on a tiny model
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tiny_factory):
+    return tiny_factory(Shape(tied=False, n_layer=2, dim=64, n_head=4, n_kv_head=2))
+
+
+@pytest.fixture(scope="module")
+def data(tiny_path):
+    base = gen.import_model(tiny_path)
+    tr = gen.supervised_csv(base, EXAMPLES / "data" / "training.csv", role="training", context=64)
+    va = gen.supervised_csv(base, EXAMPLES / "data" / "validation.csv", role="validation", context=64)
+    return tr, va
+
+
+def selections():
+    """(storage, method) pairs the backend admits: full fine-tuning only on a floating base."""
+    out = [("float32", "full")]
+    for storage in ("float32", "nf4", "nf4_double_quant"):
+        for method in ("lora", "rslora", "lora_fa", "tinylora"):
+            out.append((storage, method))
+    return out
+
+
+def select(base, storage, method):
+    if storage != "float32":
+        base = base.nf4(double_quant=storage == "nf4_double_quant")
+    kw = dict(rank=2, seed=3)
+    return {"full": lambda m: m, "lora": lambda m: m.lora(**kw), "rslora": lambda m: m.rs_lora(**kw),
+            "lora_fa": lambda m: m.lora_fa(**kw), "tinylora": lambda m: m.tinylora(**kw)}[method](base)
+
+
+def tensors_equal(a, b):
+    for k in a._weights:
+        x, y = a._weights[k], b._weights[k]
+        if isinstance(x, torch.Tensor) and not torch.equal(x.cpu(), y.cpu()):
+            return False
+    for k in a._adapter_tensors:
+        if not torch.equal(a._adapter_tensors[k].cpu(), b._adapter_tensors[k].cpu()):
+            return False
+    for k, (m, v) in a._state.moments.items():
+        if not (torch.equal(m.cpu(), b._state.moments[k][0].cpu()) and torch.equal(v.cpu(), b._state.moments[k][1].cpu())):
+            return False
+    return (a.updates(), a.scored_tokens(), a._state.loss_scale) == (b.updates(), b.scored_tokens(), b._state.loss_scale)
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "paged_adamw"])
+@pytest.mark.parametrize("precision", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("storage,method", selections())
+def test_exact_resume_matrix(tiny_path, data, tmp_path, storage, method, precision, optimizer):
+    tr, va = data
+    base = gen.import_model(tiny_path, device=DEV)
+    try:
+        src = select(base, storage, method)
+    except AttributeError as e:
+        pytest.skip(f"{storage}/{method} is not in this build: {e}")
+    src = src.with_training_profile(precision=precision, optimizer=optimizer, page_bytes=PAGE)
+    kw = dict(micro_batch=2, accumulation=2, rate=1e-3, seed=4)
+    two = src.fine_tune(tr, va, steps=2, **kw)
+    one = src.fine_tune(tr, va, steps=1, **kw)
+    one.checkpoint(tmp_path / "ck")
+    resumed = gen.load_pretrained_checkpoint(tmp_path / "ck", device=DEV).resume(tr, va, steps=1)
+    assert tensors_equal(two, resumed)
+    assert two.validation_loss() == resumed.validation_loss()
+    assert np.isfinite(two.validation_loss())
+    again = src.fine_tune(tr, va, steps=2, **kw)  # the same inputs give the same bits
+    assert tensors_equal(two, again)
+    assert src.updates() == 0
+
+
+def test_paged_equals_resident_adamw_bitwise(tiny_path, data):
+    tr, va = data
+    base = gen.import_model(tiny_path, device=DEV).lora(rank=4)
+    a = base.fine_tune(tr, va, steps=3, rate=1e-3)
+    b = base.with_training_profile(optimizer="paged_adamw", page_bytes=PAGE).fine_tune(tr, va, steps=3, rate=1e-3)
+    assert tensors_equal(a, b)
+    mem = b.memory_summary()
+    assert mem.paged_optimizer and mem.paged_optimizer_bytes == mem.optimizer_bytes > 0
+    assert mem.optimizer_window_bytes == 4 * PAGE
+    assert all(m.device.type == "cpu" and m.is_pinned() for m, _ in b._state.moments.values())
+
+
+def test_cuda_fp32_agrees_with_cpu(tiny_path):
+    cpu = gen.import_model(tiny_path)
+    gpu = gen.import_model(tiny_path, device=DEV)
+    toks = np.random.default_rng().integers(0, 49152, 48).tolist()
+    a, b = cpu.logits(toks), gpu.logits(toks)
+    scaled = np.abs(a - b).max() / np.abs(a).max()
+    assert scaled <= 1e-3, scaled
+    moved = cpu.to(DEV)
+    assert np.abs(moved.logits(toks) - b).max() == 0.0
+
+
+@pytest.mark.parametrize("precision,bound", [("float16", 0.05), ("bfloat16", 0.05)])
+def test_mixed_precision_logits_within_bound(tiny_path, data, precision, bound):
+    """The same weights evaluated under the low-precision policy stay within the seed's bound."""
+    from aner.train.loop import summed_loss
+    from aner.train.profile import Profile
+    tr, _ = data
+    m = gen.import_model(tiny_path, device=DEV)
+    e = tr.items[0]
+    x = torch.tensor([e.tokens], device=DEV)
+    ref = m.module()(x)
+    with Profile(precision=precision).autocast(DEV), torch.no_grad():
+        low = m.module()(x)
+    scaled = float((low.float() - ref).abs().max() / ref.abs().max())
+    assert 0 < scaled <= bound, scaled
+    assert float(summed_loss(m.module(), [e], DEV, Profile(precision=precision))) > 0
+
+
+def test_fp16_overflow_replays_without_committing(tiny_path, data):
+    """A scale so large that the first window overflows: halved until it fits, the update once."""
+    from aner.train.loop import RunConfig, TrainState, window
+    from aner.train.scaler import LossScale
+    tr, va = data
+    src = gen.import_model(tiny_path, device=DEV).lora(rank=2).with_training_profile(precision="float16")
+    start = TrainState(RunConfig(rate=1e-3), tr.sha256(), va.sha256(), loss_scale=LossScale(scale=2.0 ** 40))
+    out = src._train(tr, va, start, 1, progress=False)
+    s = out._state.loss_scale
+    assert out.updates() == 1 and s.overflows >= 1 and s.scale < 2.0 ** 40 and s.retries == 0
+    assert out.scored_tokens() == sum(tr.items[i].scored for i in window(start, tr.examples()))
+
+
+def test_policy_refusals(tiny_path, monkeypatch):
+    with pytest.raises(ResourceError, match="cuda:99"):
+        gen.import_model(tiny_path, device="cuda:99")
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    with pytest.raises(ResourceError, match="CUBLAS_WORKSPACE_CONFIG"):
+        gen.import_model(tiny_path, device=DEV)
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    assert torch.are_deterministic_algorithms_enabled()
+    assert not torch.backends.cuda.matmul.allow_tf32
+    m = gen.import_model(tiny_path, device=DEV)
+    with pytest.raises(ConfigError, match="nf4_kernel='fused' is not available"):
+        m.with_training_profile(nf4_kernel="fused")

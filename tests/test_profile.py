@@ -1,0 +1,71 @@
+"""Training profiles on the CPU: defaults, validation, refusals of GPU-only choices."""
+import pytest
+import torch
+
+from aner import gen
+from aner.errors import ConfigError
+from aner.train.profile import Profile
+from aner.train.scaler import LossScale
+from aner.errors import DataError
+
+
+@pytest.fixture(scope="module")
+def base(tiny):
+    return gen.import_model(tiny)
+
+
+def test_defaults(base):
+    p = base.training_profile()
+    assert p == {"precision": "float32", "optimizer": "adamw", "nf4_kernel": "host_tiled", "page_bytes": 2097152,
+                 "master_dtype": "float32", "loss_scale": None}
+    assert base.memory_summary().compute_dtype == "float32"
+    assert base.with_training_profile().training_profile() == p
+
+
+@pytest.mark.parametrize("kw,message", [
+    (dict(precision="float64"), "precision='float64'"), (dict(optimizer="sgd"), "optimizer='sgd'"),
+    (dict(nf4_kernel="cuda"), "nf4_kernel='cuda'"), (dict(page_bytes=4095), "page_bytes=4095"),
+    (dict(page_bytes=6000), "page_bytes=6000"), (dict(page_bytes=(64 << 20) + 4096), "page_bytes=67112960"),
+    (dict(precision="float16"), "needs a CUDA device"), (dict(precision="bfloat16"), "needs a CUDA device"),
+    (dict(optimizer="paged_adamw"), "needs a CUDA device"), (dict(nf4_kernel="fused"), "needs a CUDA device"),
+])
+def test_refusals(base, kw, message):
+    with pytest.raises(ConfigError, match=message):
+        base.with_training_profile(**kw)
+
+
+def test_profile_is_fixed_once_trained(base, tiny):
+    from conftest import EXAMPLES
+    tr = gen.supervised_csv(base, EXAMPLES / "data" / "training.csv", role="training", context=64)
+    va = gen.supervised_csv(base, EXAMPLES / "data" / "validation.csv", role="validation", context=64)
+    tuned = base.lora().fine_tune(tr, va, steps=1)
+    with pytest.raises(ConfigError, match="trained model"):
+        tuned.with_training_profile()
+    with pytest.raises(ConfigError, match="recorded device"):
+        tuned.to("cpu")
+
+
+def test_to_cpu_is_a_new_handle(base):
+    moved = base.to("cpu")
+    assert moved is not base and moved.device() == "cpu"
+    assert all(torch.equal(moved._weights[n], base._weights[n]) for n in base._weights)
+
+
+def test_loss_scale_policy():
+    s = LossScale()
+    assert s.scale == 65536.0
+    s = s.overflowed(1)
+    assert (s.scale, s.overflows, s.retries, s.good_updates) == (32768.0, 1, 1, 0)
+    s = s.succeeded()
+    assert (s.retries, s.good_updates) == (0, 1)
+    for _ in range(1999):
+        s = s.succeeded()
+    assert (s.scale, s.good_updates) == (65536.0, 0)
+    big = LossScale(scale=2.0 ** 32, good_updates=1999)
+    assert big.succeeded().scale == 2.0 ** 32
+    with pytest.raises(DataError, match="33 times in a row"):
+        t = LossScale()
+        for _ in range(40):
+            t = t.overflowed(7)
+    with pytest.raises(DataError, match="overflowed"):
+        LossScale(scale=2.0 ** -24).overflowed(3)
