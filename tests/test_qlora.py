@@ -108,11 +108,12 @@ def test_chunked_packing_equals_whole_matrix_quantization(double_quant):
         w = torch.randn(shape, generator=g) * 10 ** (torch.rand(shape[0], 1, generator=g) * 4 - 2)
         w.view(-1)[:64] = 0.0                               # an all-zero block
         whole = NF4Weight.quantize(w, double_quant=double_quant)
-        for chunk in (64, 192, 4096, PACK_CHUNK):            # block-sized, odd multiple, partial tails
+        # block-sized, odd multiples, partial tails; at most ~2000 chunks per matrix (time)
+        for chunk in [c for c in (64, 192, 4096, 65536, PACK_CHUNK) if w.numel() // c <= 2000]:
             assert same_packed(pack_matrix(w, double_quant, chunk), whole), (seed, shape, chunk)
             cases += 1
         assert packed_nbytes(shape, double_quant) == whole.nbytes()
-    assert cases == 20
+    assert cases == 3 + 5 + 5 + 5 + 5
 
 
 @pytest.mark.parametrize("tied", [True, False])
@@ -135,13 +136,14 @@ def test_tiny_storage_and_byte_counts(tiny_factory, tied, double_quant):
 
 @pytest.fixture(scope="module")
 def smol_nf4(smollm2):
-    """Streamed import under a budget that the FP32 model alone (538 MB) would exceed."""
-    return gen.import_nf4(smollm2, max_memory_bytes=200 * MiB)
+    """Streamed import under a budget that the FP32 model alone (538 MB) would exceed; it also
+    admits a decoded export (owned bytes + three FP32 copies of the largest matrix: 390 MiB)."""
+    return gen.import_nf4(smollm2, max_memory_bytes=400 * MiB)
 
 
 def test_smollm2_byte_counts_and_streaming_budget(smollm2, smol_nf4):
     mem = smol_nf4.memory_summary()
-    assert 4 * smol_nf4.parameters() == SMOL_FP32_BYTES > 200 * MiB
+    assert 4 * smol_nf4.parameters() == SMOL_FP32_BYTES > smol_nf4.memory_summary().estimated_budget_bytes
     assert mem.packed_base_bytes == SMOL_PACKED
     assert mem.floating_base_bytes == SMOL_FLOATING
     assert mem.weight_bytes == SMOL_NF4_BYTES
@@ -150,10 +152,10 @@ def test_smollm2_byte_counts_and_streaming_budget(smollm2, smol_nf4):
     # Admission is packed bytes + one FP32 matrix (the 49152 x 576 embedding) + packing workspace:
     # about 180 MiB. Below it the import is refused before any tensor is read; the FP32 import
     # does not fit the budget the packed import just used.
-    with pytest.raises(ResourceError, match="importing this model as NF4 needs an estimated"):
+    with pytest.raises(ResourceError, match=r"importing this model as NF4 .* needs an estimated 189053308 bytes"):
         gen.import_nf4(smollm2, max_memory_bytes=150 * MiB)
     with pytest.raises(ResourceError, match="importing this model"):
-        gen.import_model(smollm2, max_memory_bytes=200 * MiB)
+        gen.import_model(smollm2, max_memory_bytes=400 * MiB)
 
 
 def test_smollm2_packed_forward_matches_llama_cpp_on_the_decoded_base(smol_nf4, tmp_path):
@@ -203,7 +205,7 @@ def test_import_reads_one_matrix_at_a_time(tiny, monkeypatch):
     # the same probe sees the FP32 import keep every matrix (so it can tell the difference)
     seen.clear(), alive_at_read.clear()
     gen.import_model(tiny)
-    assert max(alive_at_read) == 2 * 7
+    assert max(alive_at_read) == 2 * 7 + 1       # all 15 matrices when output_norm is read
 
 
 # ---- refusals --------------------------------------------------------------------------------
@@ -214,8 +216,8 @@ def test_refusals(tiny, data, smollm2, monkeypatch):
     packed = gen.import_nf4(tiny)
     with pytest.raises(ConfigError, match="full fine-tuning of a nf4_double_quant base is refused.*select an adapter"):
         packed.fine_tune(tr, va, steps=1)
+    packed_plain = gen.import_nf4(tiny, double_quant=False)
     with pytest.raises(ConfigError, match="full fine-tuning of a nf4 base is refused"):
-        packed_plain = gen.import_nf4(tiny, double_quant=False)
         packed_plain.fine_tune(tr, va, steps=1)
     with pytest.raises(ConfigError, match="nf4 conversion is refused: this model already has a lora adapter"):
         floating.lora().nf4()

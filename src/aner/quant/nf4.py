@@ -381,11 +381,13 @@ class _NF4Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x2d, weight, tile_bytes):
         ctx.weight, ctx.tile_bytes = weight, tile_bytes
+        ctx.dtype = x2d.dtype
         y = x2d.new_empty(x2d.shape[0], weight.shape[0])                  # (M, out)
         for first, stop, tile in _tiles(weight, tile_bytes):
             # A CUDA x gets the host-decoded tile copied over: one bounded host->device transfer
-            # per tile, no persistent device copy of the weight.
-            y[:, first:stop] = x2d @ tile.to(x2d.device).t()               # (M, stop - first)
+            # per tile, no persistent device copy of the weight. Under a FP16/BF16 policy the
+            # FP32 tile is rounded to x's dtype (the GEMM still accumulates in FP32).
+            y[:, first:stop] = x2d @ tile.to(x2d.device, x2d.dtype).t()    # (M, stop - first)
         return y
 
     @staticmethod
@@ -394,15 +396,17 @@ class _NF4Linear(torch.autograd.Function):
         grad_x = None
         if ctx.needs_input_grad[0]:
             grad_y = grad_y.contiguous()
-            grad_x = grad_y.new_zeros(grad_y.shape[0], ctx.weight.shape[1])  # (M, in)
+            grad_x = grad_y.new_zeros(grad_y.shape[0], ctx.weight.shape[1], dtype=torch.float32)  # (M, in)
             for first, stop, tile in _tiles(ctx.weight, ctx.tile_bytes):
                 # Sums over `out` tile by tile in FP32, so the order differs from a dense GEMM.
-                grad_x.addmm_(grad_y[:, first:stop], tile.to(grad_y.device))
+                part = grad_y[:, first:stop] @ tile.to(grad_y.device, grad_y.dtype)
+                grad_x += part.float()
+            grad_x = grad_x.to(ctx.dtype)
         return grad_x, None, None
 
 
 def nf4_linear(x: torch.Tensor, weight: NF4Weight, tile_bytes: int = DEFAULT_TILE_BYTES) -> torch.Tensor:
-    """x (..., in) float32 -> (..., out) = x @ W^T, decoding W in row tiles of <= tile_bytes FP32.
+    """x (..., in) float32/16, bfloat16 -> (..., out) = x @ W^T, decoding W in row tiles of <= tile_bytes FP32.
 
     Forward: each output's dot product runs over the full `in`, as in a dense x @ W^T; a tile
     only changes how many columns one GEMM computes, and the BLAS may pick other kernels for
@@ -417,8 +421,8 @@ def nf4_linear(x: torch.Tensor, weight: NF4Weight, tile_bytes: int = DEFAULT_TIL
         raise ConfigError(f"weight must be an NF4Weight, got {type(weight).__name__}")
     if isinstance(tile_bytes, bool) or not isinstance(tile_bytes, int) or tile_bytes < 1:
         raise ConfigError(f"tile_bytes={tile_bytes!r} must be a positive int")
-    if not isinstance(x, torch.Tensor) or x.dtype != torch.float32:
-        raise ConfigError(f"x must be a float32 tensor, got {getattr(x, 'dtype', type(x).__name__)}")
+    if not isinstance(x, torch.Tensor) or x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ConfigError(f"x must be a float32, float16 or bfloat16 tensor, got {getattr(x, 'dtype', type(x).__name__)}")
     rows, cols = weight.shape
     if x.dim() == 0 or x.shape[-1] != cols:
         raise ConfigError(f"x of shape {tuple(x.shape)} does not end in in_features={cols} of a ({rows}, {cols}) weight")
