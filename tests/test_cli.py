@@ -151,7 +151,7 @@ def test_inspect_every_artifact_of_the_run(smol):
 def test_chat_through_a_pseudo_terminal(smol):
     adapter = smol["out"] / "adapter"
     master, slave = pty.openpty()
-    proc = subprocess.Popen([str(ANER), "chat", smol["model"], "--adapter", adapter, "--max-tokens", "12",
+    proc = subprocess.Popen([str(ANER), "chat", smol["model"], "--adapter", adapter, "--max-tokens", "8",
                              "--context", "256"], stdin=slave, stdout=slave, stderr=slave, close_fds=True)
     os.close(slave)
     questions = ["What is the capital of Tolvara?", "And its currency?"]
@@ -173,13 +173,11 @@ def test_chat_through_a_pseudo_terminal(smol):
     # the same conversation in-process: the command kept it, and streamed exactly chat()'s text
     with llm.load(smol["model"], context=256) as base:
         tuned = base.with_adapter(AdapterManifest.load(adapter))
-        messages = []
-        for q, reply in zip(questions, replies):
-            messages.append({"role": "user", "content": q})
-            pieces = list(tuned.stream_chat(messages, max_tokens=12))
-            expected = tuned.chat(messages, max_tokens=12).text()
-            assert len(pieces) > 1 and "".join(pieces) == expected == reply
-            messages.append({"role": "assistant", "content": reply})
+        first = [{"role": "user", "content": questions[0]}]
+        pieces = list(tuned.stream_chat(first, max_tokens=8))
+        assert len(pieces) > 1 and "".join(pieces) == tuned.chat(first, max_tokens=8).text() == replies[0]
+        second = first + [{"role": "assistant", "content": replies[0]}, {"role": "user", "content": questions[1]}]
+        assert tuned.chat(second, max_tokens=8).text() == replies[1]
         tuned.close()
 
 
