@@ -5,7 +5,7 @@ one warm-up update, then three timed updates (synchronised), the Torch allocator
 validation loss, and exact resume (1 update + checkpoint + reload + 1 update == 2 updates, bitwise).
 Writes a JSON record in the spirit of the seed's qualification record.
 
-    CUBLAS_WORKSPACE_CONFIG=:4096:8 python benchmarks/gpu_profiles.py OUT.json
+    CUBLAS_WORKSPACE_CONFIG=:4096:8 python benchmarks/gpu_profiles.py OUT.json [STORAGE-PREFIX]
 Needs ANER_TOKENIZER_GGUF (a metadata-only GGUF with SmolLM2's tokenizer) or the cached model.
 """
 import json
@@ -80,7 +80,7 @@ def run_one(path, tr, va, storage, method, precision, optimizer, work):
             "training_profile": model.training_profile(), "memory": mem}
 
 
-def main(out):
+def main(out, only=""):
     work = tempfile.mkdtemp()
     path = write_random_llama(Path(work) / "smollm2-shape.gguf", SMOLLM2, tokenizer_fields(tokenizer_source()), "f32")
     cpu = gen.import_model(path, max_memory_bytes=64 << 30)
@@ -110,6 +110,8 @@ def main(out):
               for p in ("float32", "float16", "bfloat16") for o in ("adamw", "paged_adamw")]
     combos += [("nf4", "lora", "float32", "adamw"), ("nf4_double_quant", "lora_fa", "float32", "adamw"),
                ("nf4_double_quant", "tinylora", "float32", "adamw")]
+    if only:  # e.g. "nf4": run the combinations whose storage starts with it (a split run)
+        combos = [c for c in combos if c[0].startswith(only)]
     for storage, method, precision, optimizer in combos:
         try:
             r = run_one(path, tr, va, storage, method, precision, optimizer, work)
@@ -121,10 +123,11 @@ def main(out):
               + (f"exact={r['exact_resume']} median={r['median_update_seconds'] * 1e3:8.1f} ms "
                  f"peak={r['torch_allocated_peak_bytes'] / 2**20:8.0f} MiB loss={r['validation_loss']:.4f}"
                  if "error" not in r else r["error"][:150]), flush=True)
+        Path(out).write_text(json.dumps(record, indent=1))  # kept current: a cut-off run still records
     record["passed"] = all(r.get("exact_resume") for r in record["combinations"])
     Path(out).write_text(json.dumps(record, indent=1))
     print(f"wrote {out}; all exact: {record['passed']}")
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(*sys.argv[1:3])

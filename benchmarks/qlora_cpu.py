@@ -76,10 +76,16 @@ def run_variant(variant: str) -> dict:
     # fine_tune(...) split in two so that each committed update can be timed (benchmark-only use
     # of the private hooks; the numerics are fine_tune's).
     state, steps = model._fine_tune_start(tr, va, WARMUP + TIMED, MICRO_BATCH, 1, RATE, SEED, 1.0)
-    marks = [time.perf_counter()]
-    trained = model._train(tr, va, state, steps, progress=False,
-                           on_update=lambda s, view: marks.append(time.perf_counter()))
+    marks, cpu = [time.perf_counter()], [time.process_time()]
+
+    def mark(s, view):
+        marks.append(time.perf_counter())
+        cpu.append(time.process_time())
+
+    load_before = os.getloadavg()[0]
+    trained = model._train(tr, va, state, steps, progress=False, on_update=mark)
     updates = [b - a for a, b in zip(marks, marks[1:])]
+    cpu_updates = [b - a for a, b in zip(cpu, cpu[1:])]
     mem = trained.memory_summary()
     return {
         "variant": variant, "storage": trained.storage(), "method": trained.method(),
@@ -91,6 +97,11 @@ def run_variant(variant: str) -> dict:
         "warmup_update_seconds": updates[:WARMUP],
         "timed_update_seconds": updates[WARMUP:],
         "median_update_seconds": statistics.median(updates[WARMUP:]),
+        # CPU seconds of the whole process (all threads) per update: less sensitive than wall time
+        # to other processes on a shared host.
+        "timed_update_cpu_seconds": cpu_updates[WARMUP:],
+        "median_update_cpu_seconds": statistics.median(cpu_updates[WARMUP:]),
+        "load_average_1min_before_after": [load_before, os.getloadavg()[0]],
         "rss_after_import_bytes": rss_after_import,
         "peak_rss_import_bytes": peak_import,
         "peak_rss_training_bytes": _status_kib("VmHWM") * 1024 if reset else None,
@@ -108,7 +119,7 @@ def main():
     if args.variant:
         print(json.dumps(run_variant(args.variant)))
         return
-    started = datetime.datetime.now()
+    started, load_at_start = datetime.datetime.now(), os.getloadavg()
     results = {}
     for variant in VARIANTS:
         proc = subprocess.run([sys.executable, __file__, "--variant", variant], capture_output=True, text=True,
@@ -121,12 +132,14 @@ def main():
         "benchmark": "cpu-qlora", "date": started.date().isoformat(),
         "model": "SmolLM2-135M-Instruct F16 GGUF", "source_sha256": lora["source_sha256"],
         "host": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-                 "cpus": os.cpu_count(), "load_average_at_start": os.getloadavg()},
+                 "cpus": os.cpu_count(), "load_average_at_start": load_at_start,
+                 "load_average_at_end": os.getloadavg()},
         "setup": {"targets": TARGETS, "rank": RANK, "alpha": ALPHA, "micro_batch": MICRO_BATCH,
                   "accumulation": 1, "context": CONTEXT, "rate": RATE, "seed": SEED,
                   "warmup_updates": WARMUP, "timed_updates": TIMED,
                   "data": "examples/data/training.csv, validation.csv"},
         "time_ratio_qlora_over_lora": qlora["median_update_seconds"] / lora["median_update_seconds"],
+        "cpu_time_ratio_qlora_over_lora": qlora["median_update_cpu_seconds"] / lora["median_update_cpu_seconds"],
         "owned_weight_bytes": {"lora_fp32": lora["owned"]["weight_bytes"], "qlora": qlora["owned"]["weight_bytes"]},
         "peak_rss_training_bytes": {v: results[v]["peak_rss_training_bytes"] for v in VARIANTS},
         "ru_maxrss_bytes": {v: results[v]["ru_maxrss_bytes"] for v in VARIANTS},

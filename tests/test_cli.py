@@ -2,7 +2,11 @@
 
 The example recipes are checked and one is run end to end on SmolLM2 (2 updates, context 64);
 everything else runs on the tiny random Llama. `aner chat` is driven through a pseudo-terminal.
+What needs the process itself (the entry point, exit statuses, SIGINT, a terminal) runs as a
+subprocess; the other commands call `aner.cli.main` in this process, since every subprocess pays
+~3 s of `import torch` on the 2-core machines.
 """
+import fcntl
 import json
 import os
 import pty
@@ -10,8 +14,10 @@ import re
 import select
 import shutil
 import signal
+import struct
 import subprocess
 import sys
+import termios
 import time
 from pathlib import Path
 
@@ -19,6 +25,7 @@ import pytest
 import torch
 
 from aner import gen, llm
+from aner.cli import main
 from aner.formats.export import AdapterManifest
 from aner.formats.ollama import CHATML_TEMPLATE
 from conftest import EXAMPLES
@@ -30,7 +37,18 @@ PNG = b"\x89PNG\r\n\x1a\n"
 
 
 def aner(*args, cwd=None, timeout=300):
+    """The installed `aner` command in a subprocess."""
     return subprocess.run([str(ANER), *map(str, args)], capture_output=True, text=True, cwd=cwd, timeout=timeout)
+
+
+@pytest.fixture
+def cli(capsys):
+    """`aner` in this process: cli(*args) -> CompletedProcess-like (returncode, stdout, stderr)."""
+    def call(*args):
+        code = main([str(a) for a in args])
+        out, err = capsys.readouterr()
+        return subprocess.CompletedProcess(args, code, out, err)
+    return call
 
 
 def line_of(text: str, start: str) -> int:
@@ -78,12 +96,12 @@ def smol(tmp_path_factory, smollm2):
     found = sorted(recipes.glob("*.toml"))
     before = aner("check", *found)
     ran = aner("run", recipes / "lora.toml", "--set", "training.steps=2", "--set", "training.accumulation=1",
-               "--set", "data.context=64", "--set", "checkpoints.every=2", timeout=600)
+               "--set", "data.context=64", timeout=600)
     assert ran.returncode == 0, ran.stderr[-3000:]
     return dict(recipes=recipes, found=found, before=before, ran=ran, out=root / "out" / "lora", model=smollm2)
 
 
-def test_every_example_recipe_checks(smol):
+def test_every_example_recipe_checks(smol, cli):
     assert len(smol["found"]) == EXAMPLE_RECIPES
     before = smol["before"]
     oks = [s for s in before.stdout.splitlines() if s.endswith(")") and ": OK (" in s]
@@ -93,7 +111,7 @@ def test_every_example_recipe_checks(smol):
     line = line_of(resume.read_text(), "resume_from")
     assert before.returncode == 2 and "1 problem(s) in" in before.stderr and "Traceback" not in before.stderr
     assert f"resume.toml:{line}: resume_from: checkpoint" in before.stderr and "does not exist" in before.stderr
-    after = aner("check", *smol["found"])
+    after = cli("check", *smol["found"])
     assert after.stdout.count(": OK (") == EXAMPLE_RECIPES - 1 and "resume.toml: OK (resume, 10 updates" in after.stdout
     lora = smol["recipes"] / "lora.toml"       # now refused: its run folder exists
     assert f"lora.toml:{line_of(lora.read_text(), 'directory')}: [output] directory:" in after.stderr
@@ -105,18 +123,16 @@ def test_example_run_on_smollm2(smol):
     # the calls, in the recipe's order, as Python
     calls = [s.split("(")[0] for s in ran.stdout.splitlines() if not s.startswith(("#", "aner:"))]
     assert calls == ["model = gen.import_model", "training = gen.supervised_csv", "validation = gen.supervised_csv",
-                     "model = model.lora", "plan = model.fine_tune_plan", "plan = plan.checkpoints",
-                     "result = plan.start", "model.checkpoint", "model.save_model", "gen.quantize_model",
+                     "model = model.lora", "plan = model.fine_tune_plan", "result = plan.start", "model.checkpoint", "model.save_model", "gen.quantize_model",
                      "model.save_adapter", "model.save_peft_adapter", "aner.formats.ollama.write_modelfile"]
     assert sorted(p.name for p in out.iterdir()) == sorted(
-        ["checkpoint", "checkpoints", "merged-f32.gguf", "merged-q4_0.gguf", "adapter", "peft-adapter", "Modelfile",
+        ["checkpoint", "merged-f32.gguf", "merged-q4_0.gguf", "adapter", "peft-adapter", "Modelfile",
          "metrics.jsonl", "loss.png"])
     updates, final = metrics(out)
     assert [u["update"] for u in updates] == [1, 2] and all(u["loss"] > 0 and u["scored_tokens"] > 0 for u in updates)
     assert all(u["tokens_per_s"] > 0 and u["elapsed_s"] > 0 for u in updates)
     assert final["status"] == "completed" and final["updates"] == 2
     assert (out / "loss.png").read_bytes()[:8] == PNG
-    assert (out / "checkpoints" / "run-1" / "step-2" / "manifest.json").is_file()
     checkpoint = gen.load_pretrained_checkpoint(out / "checkpoint")
     assert (checkpoint.updates(), checkpoint.method()) == (2, "lora")
     assert checkpoint.validation_loss() == pytest.approx(final["validation_loss"], abs=0)
@@ -125,9 +141,9 @@ def test_example_run_on_smollm2(smol):
     assert 'PARAMETER stop "<|im_end|>"' in modelfile
 
 
-def test_inspect_every_artifact_of_the_run(smol):
+def test_inspect_every_artifact_of_the_run(smol, cli):
     out = smol["out"]
-    done = aner("inspect", "--json", out / "checkpoint", out / "merged-f32.gguf", out / "merged-q4_0.gguf",
+    done = cli("inspect", "--json", out / "checkpoint", out / "merged-f32.gguf", out / "merged-q4_0.gguf",
                 out / "adapter", out / "peft-adapter", smol["recipes"] / "lora.toml")
     infos = [json.loads(s) for s in done.stdout.splitlines()]
     assert [i["kind"] for i in infos] == ["checkpoint", "gguf", "gguf", "adapter", "peft adapter", "recipe"]
@@ -182,17 +198,30 @@ def test_chat_through_a_pseudo_terminal(smol):
 
 
 def read_until(fd, pattern: bytes, timeout=120) -> bytes:
+    out = read_pty(fd, lambda buf: pattern in buf, timeout)
+    assert pattern in out, f"no {pattern!r} before the terminal closed; got {out[-500:]!r}"
+    return out
+
+
+def read_pty(fd, done, timeout=120) -> bytes:
+    """A pseudo-terminal's output until done(output) holds or every writer closed it."""
     buf, deadline = b"", time.monotonic() + timeout
-    while pattern not in buf:
-        ready, _, _ = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
-        assert ready, f"no {pattern!r} after {timeout} s; got {buf[-500:]!r}"
-        buf += os.read(fd, 4096)
+    while not done(buf):
+        assert time.monotonic() < deadline, f"timed out after {timeout} s; got {buf[-500:]!r}"
+        ready, _, _ = select.select([fd], [], [], 0.05)
+        try:
+            chunk = os.read(fd, 65536) if ready else b""
+        except OSError:                      # EIO: the other side closed
+            break
+        if ready and not chunk:
+            break
+        buf += chunk
     return buf
 
 
 # ---- checking: every problem at once, with its line --------------------------------------------
 
-def test_bad_recipe_reports_every_problem_with_its_line(tmp_path, tiny):
+def test_bad_recipe_reports_every_problem_with_its_line(tmp_path, tiny, cli):
     (tmp_path / "taken").mkdir()
     recipe = tiny_recipe(tmp_path, tiny, method='name = "tinylora"\nalpha = 4.0\nrank = 300',
                          output='directory = "taken"\nadapter = "adapter"\nq4_0 = "q.gguf"',
@@ -215,8 +244,7 @@ def test_bad_recipe_reports_every_problem_with_its_line(tmp_path, tiny):
     ]
     lines = {key: line_of(text, "[dta]" if key == "dta" else key) for key, _ in expected}
     before = sorted(p.name for p in tmp_path.iterdir())
-    for command in ("check", "run"):
-        done = aner(command, recipe)
+    for done in (aner("check", recipe), cli("run", recipe)):
         assert done.returncode == 2 and done.stdout == "" and "Traceback" not in done.stderr
         assert f"{len(expected)} problem(s) in {recipe}" in done.stderr, done.stderr
         reported = done.stderr.splitlines()[1:]
@@ -226,12 +254,12 @@ def test_bad_recipe_reports_every_problem_with_its_line(tmp_path, tiny):
     assert sorted(p.name for p in tmp_path.iterdir()) == before        # nothing written
 
 
-def test_check_refuses_combinations_and_overrides_report_their_origin(tmp_path, tiny):
+def test_check_refuses_combinations_and_overrides_report_their_origin(tmp_path, tiny, cli):
     full = tiny_recipe(tmp_path, tiny, "full.toml", method='name = "full"\nrank = 4',
                        output='directory = "run"\nadapter = "a"\nmerged = "m.gguf"\npeft = "m.gguf"')
     text = full.read_text().replace("[model]\n", '[model]\nstorage = "nf4"\n')
     full.write_text(text)
-    done = aner("check", full, "--set", "training.steps=0", "--set", "model.device=gpu")
+    done = cli("check", full, "--set", "training.steps=0", "--set", "model.device=gpu")
     problems = done.stderr.splitlines()[1:]
     assert done.returncode == 2 and len(problems) == 7, done.stderr
     assert any(f":{line_of(text, 'rank')}: [method] rank: full fine-tuning takes no method arguments" in p for p in problems)
@@ -245,25 +273,34 @@ def test_check_refuses_combinations_and_overrides_report_their_origin(tmp_path, 
                for p in problems)
     broken = tmp_path / "broken.toml"
     broken.write_text("[model]\npath = \n")
-    done = aner("check", broken)
+    done = cli("check", broken)
     assert done.returncode == 2 and "not valid TOML" in done.stderr and "line 2" in done.stderr
 
 
 # ---- running: Ctrl-C, exact resume, every output, export and conversion --------------------------
 
-def test_ctrl_c_publishes_a_checkpoint_that_resumes_exactly(tmp_path, tiny):
+def test_ctrl_c_publishes_a_checkpoint_that_resumes_exactly(tmp_path, tiny, cli):
+    """On a terminal (a pseudo-terminal here): the progress bar, then SIGINT after the first metrics line."""
     recipe = tiny_recipe(tmp_path, tiny, steps=100_000)
-    proc = subprocess.Popen([str(ANER), "run", recipe], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     log = tmp_path / "run" / "metrics.jsonl"
-    deadline = time.monotonic() + 120
-    while not (log.is_file() and log.read_text().strip()):
-        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-        time.sleep(0.02)
-    proc.send_signal(signal.SIGINT)
-    stdout, stderr = proc.communicate(timeout=120)
-    assert proc.returncode == 130, stderr
-    assert "stopping at the next update boundary" in stderr and "resumes exactly" in stderr
-    assert "result.model().checkpoint(" in stdout and "model.save_model" not in stdout
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))    # rows, columns: a terminal's size
+    proc = subprocess.Popen([str(ANER), "run", recipe], stdin=subprocess.DEVNULL, stdout=slave, stderr=slave)
+    os.close(slave)
+    try:
+        shown = read_pty(master, lambda _: log.is_file() and log.read_text().strip() or proc.poll() is not None)
+        assert proc.poll() is None, shown.decode(errors="replace")
+        proc.send_signal(signal.SIGINT)
+        shown += read_pty(master, lambda _: False)
+        assert proc.wait(timeout=60) == 130
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        os.close(master)
+    shown = shown.decode(errors="replace")
+    assert re.search(r"training: +0%\|.*\| *\d+/100000 \[[\d:]+<[\d:]+,[^,]*, loss=\d+\.\d{4}, tok_s=\d+\]", shown), shown
+    assert "stopping at the next update boundary" in shown and "resumes exactly" in shown
+    assert "result.model().checkpoint(" in shown and "model.save_model" not in shown
     updates, final = metrics(tmp_path / "run")
     stopped = final["updates"]
     assert final["status"] == "stopped" and 1 <= stopped < 100_000 and len(updates) == stopped
@@ -274,7 +311,7 @@ def test_ctrl_c_publishes_a_checkpoint_that_resumes_exactly(tmp_path, tiny):
     resume.write_text(f'resume_from = "run/checkpoint"\n\n[data]\ntraining = "{EXAMPLES}/data/training.csv"\n'
                       f'validation = "{EXAMPLES}/data/validation.csv"\ncontext = 64\n\n[training]\nsteps = 2\n\n'
                       '[output]\ndirectory = "resumed"\ncheckpoint = "checkpoint"\n')
-    done = aner("run", resume)
+    done = cli("run", resume)
     assert done.returncode == 0, done.stderr
     assert [u["update"] for u in metrics(tmp_path / "resumed")[0]] == [stopped + 1, stopped + 2]
     resumed = gen.load_pretrained_checkpoint(tmp_path / "resumed" / "checkpoint")
@@ -286,68 +323,74 @@ def test_ctrl_c_publishes_a_checkpoint_that_resumes_exactly(tmp_path, tiny):
     assert_same(resumed, direct)
 
 
-def test_qlora_and_full_runs_then_export_convert_quantize(tmp_path, tiny):
+def test_qlora_and_full_runs_then_export_convert_quantize(tmp_path, tiny, cli):
     qlora = tiny_recipe(tmp_path, tiny, "qlora.toml", method='name = "qlora"\nrank = 2',
                         output='directory = "q"\nadapter = "package"', extra='\n[profile]\npage_bytes = 8192\n')
     full = tiny_recipe(tmp_path, tiny, "full.toml", method='name = "full"', steps=2,
                        output='directory = "f"\ncheckpoint = "checkpoint"\nmerged = "m.gguf"\nq4_0 = "q4.gguf"\n'
-                              'ollama = true')
-    runs = [aner("run", recipe) for recipe in (qlora, full)]
+                              'ollama = true', extra="\n[checkpoints]\nevery = 2\n")
+    runs = [cli("run", recipe) for recipe in (qlora, full)]
     assert [r.returncode for r in runs] == [0, 0], runs[0].stderr + runs[1].stderr
     assert "model = model.qlora(rank=2)\nmodel = model.with_training_profile(page_bytes=8192)\n" in runs[0].stdout
     assert "model = model." not in runs[1].stdout and "plan = model.fine_tune_plan(" in runs[1].stdout
-    package = json.loads(aner("inspect", "--json", tmp_path / "q" / "package").stdout)
+    assert "plan = plan.checkpoints('" in runs[1].stdout
+    assert gen.load_pretrained_checkpoint(tmp_path / "f" / "checkpoints" / "run-1" / "step-2").updates() == 2
+    package = json.loads(cli("inspect", "--json", tmp_path / "q" / "package").stdout)
     assert package["kind"] == "adapter package" and package["storage"] == "nf4_double_quant"
     assert package["integrity"] == "verified: 4 files' SHA-256" and package["adapter"]["method"] == "lora"
-    assert aner("generate", tmp_path / "q" / "package", "Hello", "--max-tokens", "3").returncode == 0
+    assert cli("generate", tmp_path / "q" / "package", "Hello", "--max-tokens", "3").returncode == 0
     assert "FROM ./q4.gguf" in (tmp_path / "f" / "Modelfile").read_text()
 
     ck, ex = tmp_path / "f" / "checkpoint", tmp_path / "export"
     ex.mkdir()
-    done = aner("export", ck, "--merged", ex / "m.gguf", "--q4", ex / "q4.gguf", "--ollama")
+    done = cli("export", ck, "--merged", ex / "m.gguf", "--q4", ex / "q4.gguf", "--ollama")
     assert done.returncode == 0, done.stderr
     assert (ex / "m.gguf").read_bytes() == (tmp_path / "f" / "m.gguf").read_bytes()     # the same calls
     assert (ex / "q4.gguf").read_bytes() == (tmp_path / "f" / "q4.gguf").read_bytes()
     assert (ex / "Modelfile").read_text() == (tmp_path / "f" / "Modelfile").read_text()
-    refused = aner("export", ck, "--adapter", ex / "a", "--merged", ex / "m.gguf")
+    refused = cli("export", ck, "--adapter", ex / "a", "--merged", ex / "m.gguf")
     assert refused.returncode == 2 and "already exists" in refused.stderr and not (ex / "a").exists()
-    refused = aner("export", ck, "--adapter", ex / "a")
+    refused = cli("export", ck, "--adapter", ex / "a")
     assert refused.returncode == 2 and "a full fine-tune has no adapter" in refused.stderr
 
-    assert aner("convert", ex / "q4.gguf", ex / "back.gguf", "--dtype", "f32").returncode == 0
-    assert aner("quantize", ex / "m.gguf", ex / "q8.gguf", "--format", "q8_0").returncode == 0
-    back, q8 = (json.loads(s) for s in aner("inspect", "--json", ex / "back.gguf", ex / "q8.gguf").stdout.splitlines())
+    assert cli("convert", ex / "q4.gguf", ex / "back.gguf", "--dtype", "f32").returncode == 0
+    assert cli("quantize", ex / "m.gguf", ex / "q8.gguf", "--format", "q8_0").returncode == 0
+    back, q8 = (json.loads(s) for s in cli("inspect", "--json", ex / "back.gguf", ex / "q8.gguf").stdout.splitlines())
     assert back["tensor_types"] == {"F32": 20} and back["provenance"]["aner.method"] == "full"
     assert "Q8_0" in q8["tensor_types"]
 
 
-def test_inspect_verifies_integrity(tmp_path, tiny):
+def test_inspect_verifies_integrity(tmp_path, tiny, cli):
     recipe = tiny_recipe(tmp_path, tiny, steps=1, output='directory = "run"\ncheckpoint = "c"\nadapter = "a"')
-    assert aner("run", recipe).returncode == 0
+    assert cli("run", recipe).returncode == 0
     shutil.copytree(tmp_path / "run" / "c", tmp_path / "c2")
     shutil.copytree(tmp_path / "run" / "a", tmp_path / "a2")
-    ok = aner("inspect", tmp_path / "c2", tmp_path / "a2")
+    ok = cli("inspect", tmp_path / "c2", tmp_path / "a2")
     assert ok.returncode == 0 and ok.stdout.count("integrity: verified") == 2
     for path in (tmp_path / "c2" / "adapter.safetensors", tmp_path / "a2" / "adapter.gguf"):
         data = bytearray(path.read_bytes())
         data[-1] ^= 1
         path.write_bytes(bytes(data))
     for folder in ("c2", "a2"):
-        bad = aner("inspect", tmp_path / folder)
+        bad = cli("inspect", tmp_path / folder)
         assert bad.returncode == 2 and "does not match its SHA-256" in bad.stderr and "Traceback" not in bad.stderr
-    neither = aner("inspect", tmp_path)
+    neither = cli("inspect", tmp_path)
     assert neither.returncode == 2 and "is not a GGUF file, checkpoint" in neither.stderr
 
 
-def test_generate_and_exit_statuses(tmp_path, tiny):
+def test_generate_and_exit_statuses(tmp_path, tiny, cli, monkeypatch):
     with llm.load(tiny, context=64) as model:
         expected = model.generate("Hello there", max_tokens=6).text()
     done = aner("generate", tiny, "Hello there", "--max-tokens", "6", "--context", "64")
     assert done.returncode == 0 and done.stdout == expected + "\n"
-    assert aner("generate", tiny, "Hello", "--max-tokens", "100", "--context", "64").returncode == 2
-    assert aner("frobnicate").returncode == 2                  # argparse: a usage error
-    crash = subprocess.run([sys.executable, "-c", "import sys, aner.cli as c\n"
-                            "def boom(args): raise RuntimeError('boom')\n"
-                            "c.convert = boom\nsys.exit(c.main(['convert', 'a', 'b']))"],
-                           capture_output=True, text=True, timeout=120)
-    assert crash.returncode == 1 and "Traceback" in crash.stderr and "RuntimeError: boom" in crash.stderr
+    too_long = cli("generate", tiny, "Hello", "--max-tokens", "100", "--context", "64")
+    assert too_long.returncode == 2 and "max_tokens=100 does not fit" in too_long.stderr
+    with pytest.raises(SystemExit) as usage:                  # argparse: a usage error
+        main(["frobnicate"])
+    assert usage.value.code == 2
+    # an internal error is not an AnerError: main lets it go, and Python exits with status 1
+    def boom(args):
+        raise RuntimeError("boom")
+    monkeypatch.setattr("aner.cli.convert", boom)
+    with pytest.raises(RuntimeError, match="boom"):
+        main(["convert", "a", "b"])

@@ -49,7 +49,7 @@ REQUIRED = [("data", "training"), ("data", "validation"), ("training", "steps"),
 METHODS = {"lora": "lora", "rs_lora": "rslora", "lora_fa": "lora_fa", "tinylora": "tinylora",  # name -> registry kind
            "qlora": "lora", "full": None}
 STORAGES = {"float32": None, "nf4": False, "nf4_double_quant": True}      # storage -> import_nf4 double_quant
-EMBEDDED = {"embedded:smollm2": "aner.embedded.default_model_path()"}
+EMBEDDED = ("embedded:smollm2",)                                      # aner.embedded.default_model_path()
 RESERVED = ("metrics.jsonl", "loss.png", "checkpoints", "Modelfile")     # what a run writes itself
 ARTIFACTS = ("checkpoint", "merged", "q4_0", "adapter", "peft")
 RESUME_FIXED = {"model": ("path", "storage"), "method": tuple(SCHEMA["method"]),   # what a checkpoint fixes
@@ -87,8 +87,12 @@ class Recipe:
     def resume(self) -> bool:
         return "resume_from" in self.values.get("", {})
 
+    def line(self, section, key=None):
+        """The line of a key (else of its section), "--set" for an override, or None."""
+        return self.lines.get((section, key or ""), self.lines.get((section, "")))
+
     def where(self, section, key=None) -> str:
-        line = self.lines.get((section, key or ""), self.lines.get((section, "")))
+        line = self.line(section, key)
         if line == "--set":
             return f"{self.path} (--set {section}.{key})"
         return f"{self.path}:{line}" if line else str(self.path)
@@ -153,8 +157,9 @@ class _Problems(list):
 
     def add(self, section, key, message):
         name = f"[{section}] {key}" if section and key else (f"[{section}]" if section else key)
-        line = self.recipe.lines.get((section, key or ""), self.recipe.lines.get((section, "")))
-        self.append((line if isinstance(line, int) else 1 << 30, f"{self.recipe.where(section, key)}: {name}: {message}"))
+        line = self.recipe.line(section, key)
+        order = line if isinstance(line, int) else 1 << 30          # overrides and missing keys last
+        self.append((order, f"{self.recipe.where(section, key)}: {name}: {message}"))
 
 
 def check(recipe: Recipe) -> list[str]:
@@ -163,14 +168,14 @@ def check(recipe: Recipe) -> list[str]:
     _check_names_and_types(recipe, p)
     resume = recipe.resume()
     v = {s: {k: x for k, x in recipe.section(s).items() if (s, k) not in p.bad} for s in SCHEMA}
-    config, start, method, storage = None, 0, v["method"].get("name"), v["model"].get("storage", "float32")
+    config, start, method = None, 0, v["method"].get("name")
 
     if resume:
         for section, keys in RESUME_FIXED.items():
             for key in (k for k in keys if k in recipe.section(section)):
                 p.add(section, key, "a resume continues the checkpoint's base, method and run settings; "
                                     "remove it (other settings need a new fine-tuning run)")
-        config, start, method, storage, device = _check_checkpoint(recipe, v, p)
+        config, start, method, device = _check_checkpoint(recipe, v, p)
         if device is not None and v["model"].get("device", device) != device:
             p.add("model", "device", f"the checkpoint resumes on its recorded device {device!r}; "
                                      f"got {v['model']['device']!r}")
@@ -186,10 +191,7 @@ def check(recipe: Recipe) -> list[str]:
     _check_training(recipe, v, p, resume)
     if not resume:
         _check_profile(v, p)
-    _check_outputs(recipe, v, p, method, storage, start)
-    if method == "full" and storage in ("nf4", "nf4_double_quant"):
-        p.add("method", "name", f"full fine-tuning of an {storage} base is refused: a packed base is frozen; "
-                                "choose an adapter method (lora, rs_lora, lora_fa, tinylora, qlora)")
+    _check_outputs(recipe, v, p, method, start)
     return [text for _, text in sorted(p, key=lambda x: x[0])]      # in line order; stable otherwise
 
 
@@ -270,25 +272,25 @@ def _check_model(recipe, v, p):
 
 
 def _check_checkpoint(recipe, v, p):
-    """(config, start updates, method, storage, device) of the checkpoint named by resume_from."""
+    """(config, start updates, method, device) of the checkpoint named by resume_from."""
     from .formats.checkpoint import read_manifest
     from .formats.gguf import read_gguf
     from .model.config import LlamaConfig
     if "resume_from" not in v[""]:
-        return None, 0, None, None, None
+        return None, 0, None, None
     path = recipe.resolve(v[""]["resume_from"])
     try:
         manifest = read_manifest(path)           # verifies every checksum
         config = LlamaConfig.from_gguf(read_gguf(path / "metadata.gguf"), tied=manifest["tied_embeddings"])
     except AnerError as e:
         p.add("", "resume_from", str(e))
-        return None, 0, None, None, None
+        return None, 0, None, None
     if manifest["run"] is None:
         p.add("", "resume_from", f"checkpoint {str(path)!r} holds no training run to resume (it was "
                                  "published before any update); start a fine-tuning run instead")
     method = manifest["adapter"]["method"] if manifest["adapter"] else "full"
     method = {"rslora": "rs_lora"}.get(method, method)
-    return config, manifest["counters"]["updates"], method, manifest["storage"], manifest["device"]
+    return config, manifest["counters"]["updates"], method, manifest["device"]
 
 
 def _check_model_options(v, p):
@@ -317,6 +319,10 @@ def _check_method(recipe, v, p, config):
     if name == "full":
         for key in m:
             p.add("method", key, "full fine-tuning takes no method arguments; remove it")
+        storage = v["model"].get("storage", "float32")
+        if STORAGES.get(storage) is not None:     # a packed base
+            p.add("method", "name", f"full fine-tuning of an {storage} base is refused: a packed base is frozen; "
+                                    "choose an adapter method (lora, rs_lora, lora_fa, tinylora, qlora)")
         return
     defaults = arguments(getattr(PretrainedModel, name))
     for key in [k for k in m if k not in defaults]:
@@ -375,7 +381,7 @@ def _check_profile(v, p):
     _each(p, "profile", given, dataclasses.asdict(Profile()), validate)
 
 
-def _check_outputs(recipe, v, p, method, storage, start):
+def _check_outputs(recipe, v, p, method, start):
     o, c = v["output"], v["checkpoints"]
     if "directory" in o and recipe.output().exists():
         p.add("output", "directory", f"{str(recipe.output())!r} already exists; a run publishes into a fresh "
