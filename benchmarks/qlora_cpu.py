@@ -10,7 +10,8 @@ memory peaks do not mix:
 Per variant: import, select, then one optimizer run of 1 + 3 updates. The first update is the
 warmup (module build, first allocations); the median of the other three is reported. Update
 times are taken between committed updates (the training loop's update boundary), so they exclude
-import, selection and the final validation pass.
+import, selection and the final validation pass. Both wall and process CPU seconds are recorded;
+with one torch thread (the default here) CPU seconds stay meaningful on a shared, busy host.
 
 Memory: peak RSS (VmHWM, /proc/self/status) of the import phase, then reset (clear_refs 5) and
 measured again over selection + training; ru_maxrss is the whole subprocess. The import peak
@@ -56,10 +57,12 @@ def _reset_peak() -> bool:
         return False
 
 
-def run_variant(variant: str) -> dict:
+def run_variant(variant: str, threads: int) -> dict:
     import torch
     from aner import gen
     from aner.embedded import ensure_default_model
+
+    torch.set_num_threads(threads)
 
     path = ensure_default_model()
     t0 = time.perf_counter()
@@ -114,15 +117,19 @@ def run_variant(variant: str) -> dict:
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--variant", choices=VARIANTS, help="run one variant in this process (internal)")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch CPU threads per variant (default 1: on a shared host, several OpenMP "
+                         "threads spin at barriers when descheduled, which inflates wall and CPU time)")
     ap.add_argument("--out", type=Path, default=None, help="result file (default: benchmarks/results/<date>-cpu-qlora.json)")
     args = ap.parse_args()
     if args.variant:
-        print(json.dumps(run_variant(args.variant)))
+        print(json.dumps(run_variant(args.variant, args.threads)))
         return
     started, load_at_start = datetime.datetime.now(), os.getloadavg()
     results = {}
     for variant in VARIANTS:
-        proc = subprocess.run([sys.executable, __file__, "--variant", variant], capture_output=True, text=True,
+        proc = subprocess.run([sys.executable, __file__, "--variant", variant, "--threads", str(args.threads)],
+                              capture_output=True, text=True,
                               env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
         if proc.returncode != 0:
             sys.exit(f"variant {variant} failed:\n{proc.stderr}")
@@ -136,7 +143,7 @@ def main():
                  "load_average_at_end": os.getloadavg()},
         "setup": {"targets": TARGETS, "rank": RANK, "alpha": ALPHA, "micro_batch": MICRO_BATCH,
                   "accumulation": 1, "context": CONTEXT, "rate": RATE, "seed": SEED,
-                  "warmup_updates": WARMUP, "timed_updates": TIMED,
+                  "warmup_updates": WARMUP, "timed_updates": TIMED, "torch_threads": args.threads,
                   "data": "examples/data/training.csv, validation.csv"},
         "time_ratio_qlora_over_lora": qlora["median_update_seconds"] / lora["median_update_seconds"],
         "cpu_time_ratio_qlora_over_lora": qlora["median_update_cpu_seconds"] / lora["median_update_cpu_seconds"],

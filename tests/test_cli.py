@@ -1,4 +1,4 @@
-"""The `aner` command as a user runs it: the installed entry point, in a subprocess.
+"""The `aner` command as a user runs it.
 
 The example recipes are checked and one is run end to end on SmolLM2 (2 updates, context 64);
 everything else runs on the tiny random Llama. `aner chat` is driven through a pseudo-terminal.
@@ -84,6 +84,28 @@ def assert_same(a, b):
     assert a._state.losses == b._state.losses and a.validation_loss() == b.validation_loss()
 
 
+def read_until(fd, pattern: bytes, timeout=120) -> bytes:
+    out = read_pty(fd, lambda buf: pattern in buf, timeout)
+    assert pattern in out, f"no {pattern!r} before the terminal closed; got {out[-500:]!r}"
+    return out
+
+
+def read_pty(fd, done, timeout=120) -> bytes:
+    """A pseudo-terminal's output until done(output) holds or every writer closed it."""
+    buf, deadline = b"", time.monotonic() + timeout
+    while not done(buf):
+        assert time.monotonic() < deadline, f"timed out after {timeout} s; got {buf[-500:]!r}"
+        ready, _, _ = select.select([fd], [], [], 0.05)
+        try:
+            chunk = os.read(fd, 65536) if ready else b""
+        except OSError:                      # EIO: the other side closed
+            break
+        if ready and not chunk:
+            break
+        buf += chunk
+    return buf
+
+
 # ---- the example recipes, and one of them end to end on SmolLM2 --------------------------------
 
 @pytest.fixture(scope="module")
@@ -123,8 +145,9 @@ def test_example_run_on_smollm2(smol):
     # the calls, in the recipe's order, as Python
     calls = [s.split("(")[0] for s in ran.stdout.splitlines() if not s.startswith(("#", "aner:"))]
     assert calls == ["model = gen.import_model", "training = gen.supervised_csv", "validation = gen.supervised_csv",
-                     "model = model.lora", "plan = model.fine_tune_plan", "result = plan.start", "model.checkpoint", "model.save_model", "gen.quantize_model",
-                     "model.save_adapter", "model.save_peft_adapter", "aner.formats.ollama.write_modelfile"]
+                     "model = model.lora", "plan = model.fine_tune_plan", "result = plan.start", "model.checkpoint",
+                     "model.save_model", "gen.quantize_model", "model.save_adapter", "model.save_peft_adapter",
+                     "aner.formats.ollama.write_modelfile"]
     assert sorted(p.name for p in out.iterdir()) == sorted(
         ["checkpoint", "merged-f32.gguf", "merged-q4_0.gguf", "adapter", "peft-adapter", "Modelfile",
          "metrics.jsonl", "loss.png"])
@@ -135,7 +158,7 @@ def test_example_run_on_smollm2(smol):
     assert (out / "loss.png").read_bytes()[:8] == PNG
     checkpoint = gen.load_pretrained_checkpoint(out / "checkpoint")
     assert (checkpoint.updates(), checkpoint.method()) == (2, "lora")
-    assert checkpoint.validation_loss() == pytest.approx(final["validation_loss"], abs=0)
+    assert checkpoint.validation_loss() == final["validation_loss"]
     modelfile = (out / "Modelfile").read_text()
     assert "FROM ./merged-q4_0.gguf\n" in modelfile and CHATML_TEMPLATE in modelfile
     assert 'PARAMETER stop "<|im_end|>"' in modelfile
@@ -164,11 +187,24 @@ def test_inspect_every_artifact_of_the_run(smol, cli):
     assert done.returncode == 2                  # the recipe's problem; every artifact was explained
 
 
-def test_chat_through_a_pseudo_terminal(smol):
-    adapter = smol["out"] / "adapter"
+# ---- chat and generation through llama.cpp -------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory, tiny):
+    """A 1-update LoRA run of the tiny model with a checkpoint and an adapter."""
+    folder = tmp_path_factory.mktemp("tiny-run")
+    recipe = tiny_recipe(folder, tiny, steps=1, output='directory = "run"\ncheckpoint = "c"\nadapter = "a"')
+    assert main(["run", str(recipe)]) == 0
+    return folder / "run"
+
+
+def test_chat_through_a_pseudo_terminal(tiny, tiny_run):
+    """The tiny model: llama.cpp's generation collapses under CPU contention on the shared 2-core
+    machines (SmolLM2 + a 210-target adapter: 0.3 s for 8 tokens alone, 73 s beside a busy process)."""
+    adapter = tiny_run / "a"
     master, slave = pty.openpty()
-    proc = subprocess.Popen([str(ANER), "chat", smol["model"], "--adapter", adapter, "--max-tokens", "8",
-                             "--context", "256"], stdin=slave, stdout=slave, stderr=slave, close_fds=True)
+    proc = subprocess.Popen([str(ANER), "chat", tiny, "--adapter", adapter, "--max-tokens", "8", "--context", "256"],
+                            stdin=slave, stdout=slave, stderr=slave, close_fds=True)
     os.close(slave)
     questions = ["What is the capital of Tolvara?", "And its currency?"]
     try:
@@ -186,37 +222,16 @@ def test_chat_through_a_pseudo_terminal(smol):
         if proc.poll() is None:
             proc.kill()
         os.close(master)
-    # the same conversation in-process: the command kept it, and streamed exactly chat()'s text
-    with llm.load(smol["model"], context=256) as base:
+    # the same conversation in-process: the command kept it and printed exactly chat()'s text
+    with llm.load(tiny, context=256) as base:
         tuned = base.with_adapter(AdapterManifest.load(adapter))
         first = [{"role": "user", "content": questions[0]}]
-        pieces = list(tuned.stream_chat(first, max_tokens=8))
-        assert len(pieces) > 1 and "".join(pieces) == tuned.chat(first, max_tokens=8).text() == replies[0]
+        assert tuned.chat(first, max_tokens=8).text() == replies[0] != ""
         second = first + [{"role": "assistant", "content": replies[0]}, {"role": "user", "content": questions[1]}]
-        assert tuned.chat(second, max_tokens=8).text() == replies[1]
+        assert tuned.chat(second, max_tokens=8).text() == replies[1] != ""
+        probe = base.tokenizer.tokenize(questions[0])
+        assert not (base.logits(probe) == tuned.logits(probe)).all()     # the adapter is applied
         tuned.close()
-
-
-def read_until(fd, pattern: bytes, timeout=120) -> bytes:
-    out = read_pty(fd, lambda buf: pattern in buf, timeout)
-    assert pattern in out, f"no {pattern!r} before the terminal closed; got {out[-500:]!r}"
-    return out
-
-
-def read_pty(fd, done, timeout=120) -> bytes:
-    """A pseudo-terminal's output until done(output) holds or every writer closed it."""
-    buf, deadline = b"", time.monotonic() + timeout
-    while not done(buf):
-        assert time.monotonic() < deadline, f"timed out after {timeout} s; got {buf[-500:]!r}"
-        ready, _, _ = select.select([fd], [], [], 0.05)
-        try:
-            chunk = os.read(fd, 65536) if ready else b""
-        except OSError:                      # EIO: the other side closed
-            break
-        if ready and not chunk:
-            break
-        buf += chunk
-    return buf
 
 
 # ---- checking: every problem at once, with its line --------------------------------------------
@@ -360,18 +375,16 @@ def test_qlora_and_full_runs_then_export_convert_quantize(tmp_path, tiny, cli):
     assert "Q8_0" in q8["tensor_types"]
 
 
-def test_inspect_verifies_integrity(tmp_path, tiny, cli):
-    recipe = tiny_recipe(tmp_path, tiny, steps=1, output='directory = "run"\ncheckpoint = "c"\nadapter = "a"')
-    assert cli("run", recipe).returncode == 0
-    shutil.copytree(tmp_path / "run" / "c", tmp_path / "c2")
-    shutil.copytree(tmp_path / "run" / "a", tmp_path / "a2")
-    ok = cli("inspect", tmp_path / "c2", tmp_path / "a2")
+def test_inspect_verifies_integrity(tmp_path, tiny_run, cli):
+    shutil.copytree(tiny_run / "c", tmp_path / "c")
+    shutil.copytree(tiny_run / "a", tmp_path / "a")
+    ok = cli("inspect", tmp_path / "c", tmp_path / "a")
     assert ok.returncode == 0 and ok.stdout.count("integrity: verified") == 2
-    for path in (tmp_path / "c2" / "adapter.safetensors", tmp_path / "a2" / "adapter.gguf"):
+    for path in (tmp_path / "c" / "adapter.safetensors", tmp_path / "a" / "adapter.gguf"):
         data = bytearray(path.read_bytes())
         data[-1] ^= 1
         path.write_bytes(bytes(data))
-    for folder in ("c2", "a2"):
+    for folder in ("c", "a"):
         bad = cli("inspect", tmp_path / folder)
         assert bad.returncode == 2 and "does not match its SHA-256" in bad.stderr and "Traceback" not in bad.stderr
     neither = cli("inspect", tmp_path)
@@ -379,8 +392,14 @@ def test_inspect_verifies_integrity(tmp_path, tiny, cli):
 
 
 def test_generate_and_exit_statuses(tmp_path, tiny, cli, monkeypatch):
+    chat = [{"role": "user", "content": "Hello there"}]
     with llm.load(tiny, context=64) as model:
         expected = model.generate("Hello there", max_tokens=6).text()
+        # what the commands print: text pieces as they come, together exactly generate()'s / chat()'s text
+        pieces = list(model.stream("Hello there", max_tokens=6))
+        assert len(pieces) > 1 and "".join(pieces) == expected
+        pieces = list(model.stream_chat(chat, max_tokens=6))
+        assert len(pieces) > 1 and "".join(pieces) == model.chat(chat, max_tokens=6).text()
     done = aner("generate", tiny, "Hello there", "--max-tokens", "6", "--context", "64")
     assert done.returncode == 0 and done.stdout == expected + "\n"
     too_long = cli("generate", tiny, "Hello", "--max-tokens", "100", "--context", "64")

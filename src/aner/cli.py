@@ -130,7 +130,7 @@ def run(args) -> int:
     r = recipe.checked(args.recipe, args.overrides)
     status = recipe.run(r, say=lambda line: print(line, flush=True))
     if status == "stopped":
-        path = r.output("checkpoint") if r.get("output", "checkpoint") else r.output() / "checkpoint"
+        path = r.stop_checkpoint()
         print(f"aner: stopped by Ctrl-C; checkpoint {str(path)!r} resumes exactly: set "
               f"resume_from = {str(path)!r} in a recipe", file=sys.stderr)
         return STOPPED

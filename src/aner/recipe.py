@@ -84,6 +84,10 @@ class Recipe:
         out = self.resolve(self.get("output", "directory"))
         return out if key is None else out / self.get("output", key)
 
+    def stop_checkpoint(self) -> Path:
+        """Where a run stopped by Ctrl-C publishes its checkpoint: output.checkpoint, else `checkpoint`."""
+        return self.output() / self.get("output", "checkpoint", "checkpoint")
+
     def resume(self) -> bool:
         return "resume_from" in self.values.get("", {})
 
@@ -491,9 +495,8 @@ def run(recipe: Recipe, say=print) -> str:
         raise result._exception
     tuned = result.model()
     if result.status() == "stopped":
-        path = recipe.output("checkpoint") if recipe.get("output", "checkpoint") else out / "checkpoint"
-        say(f"result.model().checkpoint({str(path)!r})")
-        tuned.checkpoint(path)
+        say(f"result.model().checkpoint({str(recipe.stop_checkpoint())!r})")
+        tuned.checkpoint(recipe.stop_checkpoint())
         return "stopped"
     _publish(recipe, tuned, say)
     return "completed"
