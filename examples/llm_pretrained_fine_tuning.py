@@ -46,6 +46,7 @@ def main(out: Path):
     # LoRA on every projection of every layer; the seed's default would be base.lora() (q and v).
     adapted = base.lora(TARGETS, rank=16, alpha=32.0, seed=71)
     print(f"\n{adapted.summary()}\n{adapted.memory_summary()}\n")
+    print(f"validation loss before training: {adapted.evaluate(validation):.4f}")
     tuned = adapted.fine_tune(training, validation, steps=20, micro_batch=1, accumulation=4,
                               rate=0.001, seed=71)
     print(f"validation loss after 20 updates: {tuned.validation_loss():.4f}")

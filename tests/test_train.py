@@ -112,6 +112,8 @@ def test_validation_loss_is_token_weighted(base, data):
         lp = torch.log_softmax(torch.from_numpy(tuned.logits(e.tokens[:-1])).double(), -1)
         total -= sum(float(lp[t - 1, e.tokens[t]]) for t in range(e.prompt_len, len(e.tokens)))
     assert tuned.validation_loss() == pytest.approx(total / va.scored_tokens(), rel=1e-5)
+    assert tuned.evaluate(va) == tuned.validation_loss()
+    assert base.evaluate(va) != tuned.evaluate(va)
 
 
 def test_same_inputs_give_identical_bits(base, data):

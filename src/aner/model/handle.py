@@ -140,6 +140,16 @@ class PretrainedModel:
                               "call fine_tune(...) first")
         return self._state.validation_loss
 
+    def evaluate(self, data) -> float:
+        """Token-weighted loss of this model on prepared data (the objective validation uses)."""
+        from ..data.supervised import TrainingData
+        from ..train.loop import evaluate
+        if not isinstance(data, TrainingData):
+            raise ConfigError(f"data must come from gen.supervised_csv; got {type(data).__name__}")
+        if data.tokenizer_sha256 != self._source.tokenizer_sha256:
+            raise ConfigError("data was prepared with another tokenizer; prepare it again with this model")
+        return evaluate(self.module(), data, self._device, self._profile)
+
     def source_sha256(self) -> str:
         return self._source.sha256
 
