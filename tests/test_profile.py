@@ -69,3 +69,19 @@ def test_loss_scale_policy():
             t = t.overflowed(7)
     with pytest.raises(DataError, match="overflowed"):
         LossScale(scale=2.0 ** -24).overflowed(3)
+
+
+def test_adapter_contractions_stay_fp32_under_a_low_precision_policy():
+    """Under autocast the base projection runs in BF16, the LoRA delta in FP32 exactly."""
+    from aner.adapters.lora import LoRALinear
+    from aner.model.llama import Dense
+    g = torch.Generator().manual_seed(0)
+    w, a, b = (torch.randn(s, generator=g) for s in ((48, 32), (4, 32), (48, 4)))
+    x = torch.randn(5, 32, generator=g)
+    layer = LoRALinear(Dense(w), a, b, scale=2.0)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = layer(x)
+        base = Dense(w)(x)
+    assert base.dtype == torch.bfloat16            # the policy reached the projection
+    delta = 2.0 * ((x @ a.t()) @ b.t())             # FP32 reference
+    assert torch.equal(y, base + delta.to(torch.bfloat16))

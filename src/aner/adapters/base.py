@@ -80,6 +80,11 @@ def resolve_targets(requested, config, shapes: dict[str, tuple[int, int]], rank:
     return out
 
 
+def full_precision(x: torch.Tensor):
+    """Adapter contractions stay FP32 under a mixed-precision policy: autocast is off inside."""
+    return torch.autocast(x.device.type, enabled=False)
+
+
 def seeded(seed: int, *salt: int) -> torch.Generator:
     """A CPU generator for one (seed, salt...) stream: initialisation never depends on call order."""
     digest = hashlib.sha256(repr((seed,) + salt).encode()).digest()

@@ -15,7 +15,7 @@ import math
 import torch
 from torch import nn
 
-from .base import Method, seeded
+from .base import Method, full_precision, seeded
 
 LORA_FA_DAMPING = 1e-8   # added to A A^T before the pseudo-inverse
 
@@ -33,7 +33,8 @@ class LoRALinear(nn.Module):
 
     def forward(self, x):
         y = self.base(x)
-        delta = (x.to(self.lora_a.dtype) @ self.lora_a.t()) @ self.lora_b.t()  # (..., r) then (..., out)
+        with full_precision(x):
+            delta = (x.to(self.lora_a.dtype) @ self.lora_a.t()) @ self.lora_b.t()  # (..., r) then (..., out)
         return y + (self.scale * delta).to(y.dtype)
 
 

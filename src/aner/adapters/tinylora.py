@@ -21,7 +21,7 @@ import hashlib
 import torch
 from torch import nn
 
-from .base import Method, seeded
+from .base import Method, full_precision, seeded
 
 GLOBAL_V = "tinylora.v"
 MAX_PARAMETERS = 4096
@@ -63,10 +63,11 @@ class TinyLoRALinear(nn.Module):
 
     def forward(self, x):
         y = self.base(x)
-        r = torch.einsum("i,ijk->jk", self.v, self.p)            # (r, r) = sum_i v_i P_i
-        m = self.s[:, None] * r                                   # (r, r) = diag(S) R
-        h = x.to(self.vt.dtype) @ self.vt.t()                     # (..., r)
-        delta = (h @ m.t()) @ self.u.t()                          # (..., r) then (..., out)
+        with full_precision(x):
+            r = torch.einsum("i,ijk->jk", self.v, self.p)        # (r, r) = sum_i v_i P_i
+            m = self.s[:, None] * r                               # (r, r) = diag(S) R
+            h = x.to(self.vt.dtype) @ self.vt.t()                 # (..., r)
+            delta = (h @ m.t()) @ self.u.t()                      # (..., r) then (..., out)
         return y + delta.to(y.dtype)
 
 
