@@ -95,6 +95,7 @@ def plot(metrics_path, png_path) -> None:
     """Training loss over updates and the final validation loss, as a PNG (matplotlib, Agg)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
     updates, final = read(metrics_path)
     fig = Figure(figsize=(6.4, 4.0), layout="tight")
     FigureCanvasAgg(fig)
@@ -104,6 +105,7 @@ def plot(metrics_path, png_path) -> None:
     if final and final.get("validation_loss") is not None and updates:
         ax.plot([updates[-1]["update"]], [final["validation_loss"]], "s", color="tab:red",
                 label=f"validation loss {final['validation_loss']:.4f}")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("update")
     ax.set_ylabel("token-weighted cross-entropy")
     ax.set_title(f"{Path(metrics_path).parent.name}: {final['status'] if final else 'running'}")
