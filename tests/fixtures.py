@@ -100,3 +100,36 @@ def rewrite(src, dst, fields=None, drop=(), tensors=None):
 
     write_gguf(dst, out.values(), arrays())
     return dst
+
+
+def assert_same_state(a, b):
+    """Bitwise: weights (packed ones by their buffers), adapter tensors, moments, counters, cursor,
+    losses and validation loss of two trained models."""
+    import torch
+    for k, w in a._weights.items():
+        pairs = zip(w.tensors().values(), b._weights[k].tensors().values()) if not isinstance(w, torch.Tensor) \
+            else [(w, b._weights[k])]
+        assert all(torch.equal(x.cpu(), y.cpu()) for x, y in pairs), k
+    assert a._adapter_tensors.keys() == b._adapter_tensors.keys()
+    for k in a._adapter_tensors:
+        assert torch.equal(a._adapter_tensors[k], b._adapter_tensors[k]), k
+    assert a._state.moments.keys() == b._state.moments.keys() and a._state.moments
+    for k, (m, v) in a._state.moments.items():
+        assert torch.equal(m, b._state.moments[k][0]) and torch.equal(v, b._state.moments[k][1]), k
+    assert (a.updates(), a.scored_tokens(), a._state.cursor) == (b.updates(), b.scored_tokens(), b._state.cursor)
+    assert a._state.losses == b._state.losses
+    assert a.validation_loss() == b.validation_loss()
+
+
+def tokens(n, vocab=49152, seed=0):
+    return np.random.default_rng(seed).integers(0, vocab, n).tolist()
+
+
+def llama_logits(path, toks, adapter=None):
+    """llama.cpp's logits of every position of `toks`, optionally with an adapter manifest."""
+    from aner import llm
+    with llm.load(path, context=max(64, len(toks))) as base:
+        if adapter is None:
+            return base.logits(toks)
+        with base.with_adapter(adapter) as m:
+            return m.logits(toks)

@@ -22,9 +22,7 @@ from aner.model.build import build
 from aner.model.llama import Dense
 from aner.train.loop import RunConfig, TrainState, summed_loss, window
 from conftest import EXAMPLES
-from fixtures import Shape
-from test_deploy import llama_logits, tokens
-from test_train import assert_same_state
+from fixtures import Shape, assert_same_state, llama_logits, tokens
 
 TOL = 1e-4
 SELECT = {

@@ -22,13 +22,13 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
 from aner import gen, llm
 from aner.cli import main
 from aner.formats.export import AdapterManifest
 from aner.formats.ollama import CHATML_TEMPLATE
 from conftest import EXAMPLES
+from fixtures import assert_same_state
 
 ANER = Path(sys.executable).with_name("aner")
 EXAMPLE_RECIPES = 7                      # lora, rslora, lora_fa, tinylora, qlora, full, resume
@@ -72,16 +72,6 @@ def metrics(folder: Path):
     return [x for x in lines if "update" in x], lines[-1]
 
 
-def assert_same(a, b):
-    """Bitwise: adapter tensors, moments, counters, cursor, losses and validation loss."""
-    assert a._adapter_tensors.keys() == b._adapter_tensors.keys() and a._adapter_tensors
-    for k in a._adapter_tensors:
-        assert torch.equal(a._adapter_tensors[k], b._adapter_tensors[k]), k
-    assert a._state.moments.keys() == b._state.moments.keys() and a._state.moments
-    for k, (m, v) in a._state.moments.items():
-        assert torch.equal(m, b._state.moments[k][0]) and torch.equal(v, b._state.moments[k][1]), k
-    assert (a.updates(), a.scored_tokens(), a._state.cursor) == (b.updates(), b.scored_tokens(), b._state.cursor)
-    assert a._state.losses == b._state.losses and a.validation_loss() == b.validation_loss()
 
 
 def read_until(fd, pattern: bytes, timeout=120) -> bytes:
@@ -335,7 +325,7 @@ def test_ctrl_c_publishes_a_checkpoint_that_resumes_exactly(tmp_path, tiny, cli)
     tr = gen.supervised_csv(base, EXAMPLES / "data" / "training.csv", role="training", context=64)
     va = gen.supervised_csv(base, EXAMPLES / "data" / "validation.csv", role="validation", context=64)
     direct = base.lora(rank=2, seed=4).fine_tune(tr, va, steps=stopped + 2, **TINY_RUN)
-    assert_same(resumed, direct)
+    assert_same_state(resumed, direct)
 
 
 def test_qlora_and_full_runs_then_export_convert_quantize(tmp_path, tiny, cli):

@@ -8,21 +8,13 @@ from aner import AnerError, gen, llm
 from aner.errors import ArtifactError, ConfigError
 from aner.formats.gguf import read_gguf
 from conftest import EXAMPLES
-from fixtures import Shape
+from fixtures import Shape, llama_logits, tokens
 
 TOL = 1e-4
 
 
-def tokens(n, vocab, seed=0):
-    return np.random.default_rng(seed).integers(0, vocab, n).tolist()
 
 
-def llama_logits(path, toks, adapter=None):
-    with llm.load(path, context=max(64, len(toks))) as base:
-        if adapter is None:
-            return base.logits(toks)
-        with base.with_adapter(adapter) as m:
-            return m.logits(toks)
 
 
 @pytest.mark.parametrize("shape,dtype", [(Shape(), "f32"), (Shape(tied=False, n_kv_head=4), "f16"),

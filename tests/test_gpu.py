@@ -3,7 +3,6 @@
 Skipped where no CUDA device exists (development machines and CI); run on the GPU machine with
 CUBLAS_WORKSPACE_CONFIG=:4096:8 (see benchmarks/gpu_profiles.py for the matrix over real shapes).
 """
-import os
 
 import numpy as np
 import pytest

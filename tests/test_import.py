@@ -8,7 +8,7 @@ from gguf import GGUFValueType
 from aner import AnerError, gen
 from aner.errors import ConfigError, FormatError, ResourceError, UnsupportedModelError
 from aner.formats.gguf import Field, read_gguf
-from fixtures import Shape, rewrite, write_random_llama
+from fixtures import Shape, rewrite
 
 U32 = GGUFValueType.UINT32
 

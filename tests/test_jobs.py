@@ -21,6 +21,7 @@ from aner.errors import ArtifactError, ConfigError, ResourceError
 from aner.jobs import _EXECUTOR, MAX_REQUESTS, MAX_WAITING, JobTimeoutError
 from aner.train.loop import MAX_STEPS, RunConfig, TrainState, window
 from conftest import EXAMPLES
+from fixtures import assert_same_state
 
 KW = dict(micro_batch=2, accumulation=1, rate=1e-3, seed=3)
 LONG = MAX_STEPS
@@ -58,19 +59,6 @@ def blocker(base, data):
     assert job.wait(timeout=60).status() == "stopped"
 
 
-def assert_same(a, b):
-    """Bitwise: weights, adapter tensors, moments, counters, cursor, losses, validation loss."""
-    for k in a._weights:
-        assert torch.equal(a._weights[k], b._weights[k]), k
-    assert a._adapter_tensors.keys() == b._adapter_tensors.keys()
-    for k in a._adapter_tensors:
-        assert torch.equal(a._adapter_tensors[k], b._adapter_tensors[k]), k
-    assert a._state.moments.keys() == b._state.moments.keys() and a._state.moments
-    for k, (m, v) in a._state.moments.items():
-        assert torch.equal(m, b._state.moments[k][0]) and torch.equal(v, b._state.moments[k][1]), k
-    assert (a.updates(), a.scored_tokens(), a._state.cursor) == (b.updates(), b.scored_tokens(), b._state.cursor)
-    assert a._state.losses == b._state.losses
-    assert a.validation_loss() == b.validation_loss()
 
 
 def scored_after(training, updates: int) -> int:
@@ -134,13 +122,13 @@ def test_job_result_equals_synchronous_fine_tune(base, data, tmp_path, select):
     assert (job.status(), result.status(), result.error()) == ("completed", "completed", None)
     assert result.updates() == job.updates() == 2 and result.checkpoints() == ()
     assert result.scored_tokens() == job.scored_tokens() == direct.scored_tokens() == scored_after(tr, 2)
-    assert_same(result.model(), direct)
+    assert_same_state(result.model(), direct)
     assert result.validation_loss() == direct.validation_loss()
     assert "status=completed; updates=2/2" in result.summary() and "error=None" in result.summary()
     after = src._weights | src._adapter_tensors
     assert all(torch.equal(before[k], after[k]) for k in before) and src.updates() == 0
     # a manual checkpoint of a finished job publishes its final model
-    assert_same(gen.load_pretrained_checkpoint(job.checkpoint(tmp_path / "final")), direct)
+    assert_same_state(gen.load_pretrained_checkpoint(job.checkpoint(tmp_path / "final")), direct)
 
 
 def test_stop_takes_effect_at_an_update_boundary(base, data):
@@ -164,7 +152,7 @@ def test_stop_takes_effect_at_an_update_boundary(base, data):
     assert f"updates={result.updates()}/{LONG}" in result.summary()
     # the model as of the last committed update, evaluated: exactly a run of that many updates
     direct = src.fine_tune(tr, va, steps=result.updates(), **KW)
-    assert_same(result.model(), direct)
+    assert_same_state(result.model(), direct)
     assert result.validation_loss() == direct.validation_loss()
     assert result.scored_tokens() == direct.scored_tokens()
 
@@ -248,12 +236,12 @@ def test_automatic_and_manual_checkpoints_resume_exactly(base, data, tmp_path):
         step2.validation_loss()              # published mid-run: no evaluation of those weights
     resumed = step2.resume_plan(tr, va, steps=2).start().wait(timeout=120)
     assert (resumed.updates(), resumed.model().updates()) == (2, 4)   # job counters count this run
-    assert_same(resumed.model(), result.model())
+    assert_same_state(resumed.model(), result.model())
     assert 1 <= manual.updates() <= 4
     if manual.updates() < 4:
-        assert_same(manual.resume(tr, va, steps=4 - manual.updates()), result.model())
+        assert_same_state(manual.resume(tr, va, steps=4 - manual.updates()), result.model())
     else:                                    # served from the final model
-        assert_same(manual, result.model())
+        assert_same_state(manual, result.model())
     # continuing the evaluated final model: another fresh run folder, named by the model's counter,
     # and no stale validation loss carried into the mid-run checkpoint
     assert result.model().validation_loss() is not None

@@ -4,7 +4,6 @@ import torch
 
 from aner import gen
 from aner.errors import ConfigError
-from aner.train.profile import Profile
 from aner.train.scaler import LossScale
 from aner.errors import DataError
 

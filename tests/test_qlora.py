@@ -24,7 +24,7 @@ from aner.quant.module import NF4Module
 from aner.quant.nf4 import NF4Weight
 from aner.quant.storage import PACK_CHUNK, pack_matrix, packed_nbytes
 from conftest import EXAMPLES
-from fixtures import Shape
+from fixtures import Shape, llama_logits, tokens
 
 TOL = 1e-4
 MiB = 1 << 20
@@ -36,16 +36,8 @@ SMOL_FLOATING = 140_544
 SMOL_NF4_BYTES = 69_515_644
 
 
-def tokens(n, seed=0):
-    return np.random.default_rng(seed).integers(0, 49152, n).tolist()
 
 
-def llama_logits(path, toks, adapter=None):
-    with llm.load(path, context=max(64, len(toks))) as base:
-        if adapter is None:
-            return base.logits(toks)
-        with base.with_adapter(adapter) as m:
-            return m.logits(toks)
 
 
 def same_packed(a: NF4Weight, b: NF4Weight) -> bool:

@@ -10,8 +10,8 @@ from aner import AnerError, gen
 from aner.errors import ArtifactError, ConfigError, FormatError, ResourceError
 from aner.formats.checkpoint import _digest
 from aner.train.loop import TrainState, RunConfig, window
-from conftest import DATA, EXAMPLES
-from fixtures import Shape, rewrite
+from conftest import EXAMPLES
+from fixtures import assert_same_state, rewrite
 
 
 @pytest.fixture(scope="module")
@@ -33,18 +33,6 @@ def snapshot(model):
             {k: v.clone() for k, v in model._adapter_tensors.items()})
 
 
-def assert_same_state(a, b):
-    for k in a._weights:
-        assert torch.equal(a._weights[k], b._weights[k]), k
-    assert a._adapter_tensors.keys() == b._adapter_tensors.keys()
-    for k in a._adapter_tensors:
-        assert torch.equal(a._adapter_tensors[k], b._adapter_tensors[k]), k
-    assert a._state.moments.keys() == b._state.moments.keys() and a._state.moments
-    for k, (m, v) in a._state.moments.items():
-        assert torch.equal(m, b._state.moments[k][0]) and torch.equal(v, b._state.moments[k][1]), k
-    assert (a.updates(), a.scored_tokens(), a._state.cursor) == (b.updates(), b.scored_tokens(), b._state.cursor)
-    assert a._state.losses == b._state.losses
-    assert a.validation_loss() == b.validation_loss()
 
 
 @pytest.mark.parametrize("select", ["full", "lora"])

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from .errors import ConfigError, UnsupportedModelError
-from .formats.gguf import FLOAT_TYPES, dequantize_gguf, read_gguf
+from .formats.gguf import dequantize_gguf, read_gguf
 from .model import names
 from .model.config import LlamaConfig
 from .model.handle import BACKEND_NAME, CanonicalHash, PretrainedModel, Source, canonical_sha256, check_device

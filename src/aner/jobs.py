@@ -126,6 +126,10 @@ class PretrainedResult:
     def status(self) -> str:
         return self._status
 
+    def exception(self) -> BaseException | None:
+        """What failed the run (the original exception), or None."""
+        return self._exception
+
     def error(self) -> str | None:
         """`<ErrorType>: <message>` of what failed the run; None unless status() == 'failed'."""
         e = self._exception

@@ -492,7 +492,7 @@ def run(recipe: Recipe, say=print) -> str:
     result = metrics.follow(plan.start(), out)
     say(f"# {result.summary()}")
     if result.status() == "failed":
-        raise result._exception
+        raise result.exception()
     tuned = result.model()
     if result.status() == "stopped":
         say(f"result.model().checkpoint({str(recipe.stop_checkpoint())!r})")

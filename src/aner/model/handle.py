@@ -10,7 +10,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from ..errors import ConfigError, ResourceError, UnsupportedModelError
+from ..errors import ConfigError
 from ..train.memory import MemorySummary, activation_bytes, admit
 from ..train.profile import Profile
 from . import names
@@ -411,12 +411,11 @@ class PretrainedModel:
                                 state=state, lineage=lineage,
                                 lineage_examples=self._lineage_examples | training.example_hashes())
 
-        boundary = None
-        if on_update is not None:
-            def boundary(s):
-                return on_update(s, lambda: trained(replace(s, validation_loss=None)))
+        def boundary(s):
+            return on_update(s, lambda: trained(replace(s, validation_loss=None)))
+
         state = run(model, tensors, trainable, self._method, training, validation, state, steps,
-                    self._device, progress, boundary, self._profile)
+                    self._device, progress, boundary if on_update else None, self._profile)
         return trained(state)
 
     # ---- artifacts --------------------------------------------------------------------------
