@@ -436,10 +436,6 @@ class PretrainedModel:
         from ..formats.peft import save_peft_adapter
         return save_peft_adapter(self, directory)
 
-    def merged_weights(self) -> dict:
-        """FP32 weights with every adapter delta folded in, one matrix at a time (CPU tensors)."""
-        return dict(self.iter_merged_weights())
-
     def iter_merged_weights(self, merge=True):
         """(name, FP32 CPU tensor) in canonical order, decoding/merging one matrix per step, so a
         streamed export of a packed base holds one dense matrix at a time. merge=False: the base alone."""
