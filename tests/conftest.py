@@ -54,3 +54,18 @@ def smollm2_f32(smollm2, tmp_path_factory):
     dst = tmp_path_factory.mktemp("smol") / "smollm2-f32.gguf"
     gen.dequantize_model(smollm2, dst, dtype="f32")
     return dst
+
+
+@pytest.fixture(scope="module")
+def base(tiny):
+    """The tiny model imported (a test module may define its own `base`)."""
+    from aner import gen
+    return gen.import_model(tiny)
+
+
+@pytest.fixture(scope="module")
+def data(base):
+    """The demo's training and validation rows prepared for `base`, context 64."""
+    from aner import gen
+    return tuple(gen.supervised_csv(base, EXAMPLES / "data" / f"{role}.csv", input="question", target="answer",
+                                    role=role, context=64) for role in ("training", "validation"))

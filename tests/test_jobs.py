@@ -27,20 +27,6 @@ KW = dict(micro_batch=2, accumulation=1, rate=1e-3, seed=3)
 LONG = MAX_STEPS
 
 
-@pytest.fixture(scope="module")
-def base(tiny):
-    return gen.import_model(tiny)
-
-
-@pytest.fixture(scope="module")
-def data(base):
-    tr = gen.supervised_csv(base, EXAMPLES / "data" / "training.csv", input="question", target="answer",
-                            role="training", context=64)
-    va = gen.supervised_csv(base, EXAMPLES / "data" / "validation.csv", input="question", target="answer",
-                            role="validation", context=64)
-    return tr, va
-
-
 def until(predicate, timeout=60.0):
     deadline = time.monotonic() + timeout
     while not predicate():

@@ -8,11 +8,6 @@ from aner.train.scaler import LossScale
 from aner.errors import DataError
 
 
-@pytest.fixture(scope="module")
-def base(tiny):
-    return gen.import_model(tiny)
-
-
 def test_defaults(base):
     p = base.training_profile()
     assert p == {"precision": "float32", "optimizer": "adamw", "nf4_kernel": "host_tiled", "page_bytes": 2097152,

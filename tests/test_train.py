@@ -10,22 +10,7 @@ from aner import AnerError, gen
 from aner.errors import ArtifactError, ConfigError, FormatError, ResourceError
 from aner.formats.checkpoint import _digest
 from aner.train.loop import TrainState, RunConfig, window
-from conftest import EXAMPLES
 from fixtures import assert_same_state, rewrite
-
-
-@pytest.fixture(scope="module")
-def base(tiny):
-    return gen.import_model(tiny)
-
-
-@pytest.fixture(scope="module")
-def data(base):
-    tr = gen.supervised_csv(base, EXAMPLES / "data" / "training.csv", input="question", target="answer",
-                            role="training", context=64)
-    va = gen.supervised_csv(base, EXAMPLES / "data" / "validation.csv", input="question", target="answer",
-                            role="validation", context=64)
-    return tr, va
 
 
 def snapshot(model):
