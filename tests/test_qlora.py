@@ -23,7 +23,6 @@ from aner.model.llama import Dense
 from aner.quant.module import NF4Module
 from aner.quant.nf4 import NF4Weight
 from aner.quant.storage import PACK_CHUNK, pack_matrix, packed_nbytes
-from conftest import EXAMPLES
 from fixtures import Shape, llama_logits, tokens
 
 TOL = 1e-4
@@ -79,14 +78,6 @@ def expected_bytes(config_shapes, double_quant):
 @pytest.fixture(scope="module")
 def untied(tiny_factory):
     return tiny_factory(Shape(tied=False), "f32")
-
-
-@pytest.fixture(scope="module")
-def data(tiny):
-    base = gen.import_nf4(tiny)
-    tr = gen.supervised_csv(base, EXAMPLES / "data" / "training.csv", role="training", context=64)
-    va = gen.supervised_csv(base, EXAMPLES / "data" / "validation.csv", role="validation", context=64)
-    return tr, va
 
 
 # ---- storage ---------------------------------------------------------------------------------
