@@ -32,11 +32,13 @@ def data(tiny_path):
 
 
 def selections():
-    """(storage, method) pairs the backend admits: full fine-tuning only on a floating base."""
-    out = [("float32", "full")]
+    """(storage, method, nf4_kernel) the backend admits: full fine-tuning only on a floating base;
+    the fused kernels only where there is a packed base to decode."""
+    out = [("float32", "full", "host_tiled")]
     for storage in ("float32", "nf4", "nf4_double_quant"):
         for method in ("lora", "rslora", "lora_fa", "tinylora"):
-            out.append((storage, method))
+            for kernel in ("host_tiled",) if storage == "float32" else ("host_tiled", "fused"):
+                out.append((storage, method, kernel))
     return out
 
 
@@ -64,15 +66,15 @@ def tensors_equal(a, b):
 
 @pytest.mark.parametrize("optimizer", ["adamw", "paged_adamw"])
 @pytest.mark.parametrize("precision", ["float32", "float16", "bfloat16"])
-@pytest.mark.parametrize("storage,method", selections())
-def test_exact_resume_matrix(tiny_path, data, tmp_path, storage, method, precision, optimizer):
+@pytest.mark.parametrize("storage,method,kernel", selections())
+def test_exact_resume_matrix(tiny_path, data, tmp_path, storage, method, kernel, precision, optimizer):
     tr, va = data
     base = gen.import_model(tiny_path, device=DEV)
     try:
         src = select(base, storage, method)
     except AttributeError as e:
         pytest.skip(f"{storage}/{method} is not in this build: {e}")
-    src = src.with_training_profile(precision=precision, optimizer=optimizer, page_bytes=PAGE)
+    src = src.with_training_profile(precision=precision, optimizer=optimizer, nf4_kernel=kernel, page_bytes=PAGE)
     kw = dict(micro_batch=2, accumulation=2, rate=1e-3, seed=4)
     two = src.fine_tune(tr, va, steps=2, **kw)
     one = src.fine_tune(tr, va, steps=1, **kw)
@@ -139,7 +141,7 @@ def test_fp16_overflow_replays_without_committing(tiny_path, data):
     assert out.scored_tokens() == sum(tr.items[i].scored for i in window(start, tr.examples()))
 
 
-def test_policy_refusals(tiny_path, monkeypatch):
+def test_policy_refusals(tiny_path, data, monkeypatch):
     with pytest.raises(ResourceError, match="cuda:99"):
         gen.import_model(tiny_path, device="cuda:99")
     monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
@@ -149,5 +151,28 @@ def test_policy_refusals(tiny_path, monkeypatch):
     assert torch.are_deterministic_algorithms_enabled()
     assert not torch.backends.cuda.matmul.allow_tf32
     m = gen.import_model(tiny_path, device=DEV)
-    with pytest.raises(ConfigError, match="nf4_kernel='fused' is not available"):
-        m.with_training_profile(nf4_kernel="fused")
+    with pytest.raises(ConfigError, match="precision='float64' is not supported"):
+        m.with_training_profile(precision="float64")
+    trained = m.lora(rank=2).fine_tune(*data, steps=1)
+    with pytest.raises(ConfigError, match="changing the training profile of a trained model"):
+        trained.with_training_profile(nf4_kernel="fused")
+
+
+def test_fused_matches_host_tiled_and_counts_its_copy(tiny_path, data):
+    """The fused kernels compute what host tiling computes (up to summation order), keep one
+    packed copy on the GPU that memory_summary counts, and decode nothing outside the tile."""
+    tr, va = data
+    packed = gen.import_model(tiny_path, device=DEV).nf4().lora(rank=2, seed=1)
+    fused = packed.with_training_profile(nf4_kernel="fused")
+    mem = fused.memory_summary()
+    matrices = sum(not isinstance(w, torch.Tensor) for w in fused._weights.values())
+    # the same packed buffers, plus each matrix's two codebooks (16 + 256 FP32 values)
+    assert mem.gpu_packed_base_bytes - mem.packed_base_bytes == matrices * 4 * (16 + 256)
+    assert mem.packed_base_bytes > 0 and mem.dequant_tile_bytes == 0
+    assert packed.memory_summary().gpu_packed_base_bytes == 0
+    toks = np.random.default_rng().integers(0, 49152, 40).tolist()
+    a, b = packed.logits(toks), fused.logits(toks)
+    assert np.abs(a - b).max() / np.abs(a).max() <= 1e-5
+    ta = packed.fine_tune(tr, va, steps=2, rate=1e-3)
+    tb = fused.fine_tune(tr, va, steps=2, rate=1e-3)
+    assert abs(ta.validation_loss() - tb.validation_loss()) <= 1e-4 * abs(ta.validation_loss())

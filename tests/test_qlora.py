@@ -244,7 +244,7 @@ def test_packed_modules_and_selected_row_lookup(untied):
     w = packed._weights["blk.0.ffn_down.weight"]
     x = torch.randn(3, 5, 96, requires_grad=True)
     xd = x.detach().clone().requires_grad_(True)
-    y = w.module()(x)
+    y = NF4Module(w)(x)
     yd = torch.nn.functional.linear(xd, w.dequantize())
     torch.testing.assert_close(y, yd, rtol=0, atol=1e-5)
     g = torch.randn_like(y)

@@ -285,3 +285,41 @@ def test_progress_is_silent_without_a_terminal(base, data, capsys):
     base.lora().fine_tune(tr, va, steps=1)
     out = capsys.readouterr()
     assert out.out == "" and out.err == ""
+
+
+def test_adamw_follows_torch_and_grouping_changes_no_bit(monkeypatch):
+    """Our AdamW is torch.optim.AdamW's update (within FP32 rounding of sqrt(v / c2) against
+    sqrt(v) / sqrt(c2)), and splitting the multi-tensor launches into other groups changes no bit."""
+    from aner.train import optim
+    shapes = {"a": (7, 5), "b": (300,), "c": (64, 33)}
+    params = {k: torch.randn(s) for k, s in shapes.items()}
+    grouped = {k: v.clone() for k, v in params.items()}
+    ref = {k: v.clone().requires_grad_(True) for k, v in params.items()}
+    torch_opt = torch.optim.AdamW(list(ref.values()), lr=1e-2, weight_decay=0.1, foreach=False)
+    ours = optim.AdamW(1e-2, weight_decay=0.1)
+    moments, moments_grouped = ours.init_moments(params), ours.init_moments(grouped)
+    for t in range(1, 6):
+        grads = {k: torch.randn(s) for k, s in shapes.items()}
+        for k, p in ref.items():
+            p.grad = grads[k].clone()
+        torch_opt.step()
+        ours.step(params, grads, moments, t)
+        with monkeypatch.context() as m:
+            m.setattr(optim, "GROUP_ELEMENTS", 40)  # every tensor in a group of its own
+            assert len(optim.groups(sorted(grouped), grouped)) == 3
+            ours.step(grouped, grads, moments_grouped, t)
+    for k in shapes:
+        torch.testing.assert_close(params[k], ref[k].detach(), rtol=1e-6, atol=1e-7)
+        assert torch.equal(params[k], grouped[k])
+
+
+def test_clipping_uses_the_float64_global_norm():
+    from aner.train.optim import clip_by_global_norm
+    grads = {"x": torch.randn(10, 3) * 5, "y": torch.randn(17) * 5}
+    want = float(torch.cat([g.double().flatten() for g in grads.values()]).norm())
+    before = {k: g.clone() for k, g in grads.items()}
+    assert clip_by_global_norm(grads, 0.0) == pytest.approx(want, rel=1e-12)
+    assert all(torch.equal(before[k], grads[k]) for k in grads)        # 0 disables clipping
+    assert clip_by_global_norm(grads, 1.0) == pytest.approx(want, rel=1e-12)
+    clipped = float(torch.cat([g.double().flatten() for g in grads.values()]).norm())
+    assert clipped == pytest.approx(1.0, rel=1e-5)

@@ -2,5 +2,15 @@
 
 
 def fused_available() -> bool:
-    """True when the fused NF4 kernels can run: they are not part of this build yet."""
-    return False
+    """True when the fused NF4 kernels (aner.kernels.nf4) can run: a CUDA device and Triton.
+
+    Triton is imported here, on demand, never when aner is imported (CI has no Triton).
+    """
+    import torch
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True

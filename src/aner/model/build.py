@@ -11,18 +11,22 @@ from . import names
 from .llama import Block, Dense, Llama, RMSNorm
 
 
-def weight_module(weight) -> nn.Module:
+def weight_module(weight, device_copy=None) -> nn.Module:
     if isinstance(weight, torch.Tensor):
         return Dense(weight)
-    return weight.module()  # packed weights provide their own projection/embedding module
+    from ..quant.module import NF4Module
+    return NF4Module(weight, device_copy=device_copy)
 
 
-def build(config, weights: dict, method=None, adapter_tensors: dict | None = None) -> Llama:
+def build(config, weights: dict, method=None, adapter_tensors: dict | None = None,
+          device_copies: dict | None = None) -> Llama:
+    """`device_copies`: name -> GPU copy of a packed weight, for the fused NF4 kernels."""
     table = names.expected(config)
+    device_copies = device_copies or {}
     modules = {}
     for name, (path, role, _) in table.items():
         w = weights[name]
-        modules[name] = RMSNorm(w, config.rms_eps) if role == "norm" else weight_module(w)
+        modules[name] = RMSNorm(w, config.rms_eps) if role == "norm" else weight_module(w, device_copies.get(name))
     if method is not None:
         for target in method.config.targets:
             modules[target] = method.wrap(target, modules[target], adapter_tensors)

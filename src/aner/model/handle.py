@@ -76,7 +76,7 @@ class PretrainedModel:
 
     def __init__(self, *, source: Source, weights: dict, device: str, budget: int, storage="float32",
                  method=None, adapter_tensors=None, state=None, lineage=(), lineage_examples=frozenset(),
-                 profile=None):
+                 profile=None, device_copies=None):
         self._source = source
         self._weights = weights            # name -> FP32 tensor (or packed weight); never mutated
         self._device = device
@@ -89,6 +89,13 @@ class PretrainedModel:
         self._lineage_examples = frozenset(lineage_examples)
         self._profile = profile or Profile()
         self._module = None
+        # The fused NF4 kernels' immutable GPU copy of each packed matrix; the host buffers stay
+        # authoritative (checkpoints, identity). Made once and shared by derived handles.
+        if device_copies is None and self._profile.nf4_kernel == "fused" and storage != "float32":
+            from ..kernels.nf4 import DevicePacked
+            device_copies = {n: DevicePacked.from_weight(w, device) for n, w in weights.items()
+                             if not isinstance(w, torch.Tensor)}
+        self._device_copies = device_copies or {}
 
     def _derive(self, **changes) -> "PretrainedModel":
         kw = dict(source=self._source, weights=self._weights, device=self._device, budget=self._budget,
@@ -96,6 +103,9 @@ class PretrainedModel:
                   state=self._state, lineage=self._lineage, lineage_examples=self._lineage_examples,
                   profile=self._profile)
         kw.update(changes)
+        same_buffers = kw["weights"] is self._weights and kw["device"] == self._device
+        if same_buffers and kw["profile"].nf4_kernel == self._profile.nf4_kernel:
+            kw["device_copies"] = self._device_copies
         return PretrainedModel(**kw)
 
     # ---- inspection -------------------------------------------------------------------------
@@ -181,10 +191,11 @@ class PretrainedModel:
             optimizer_bytes=optimizer, dequant_tile_bytes=self._dequant_tile_bytes(),
             estimated_budget_bytes=self._budget, compute_dtype=self._profile.precision, storage=self._storage,
             paged_optimizer=paged, paged_optimizer_bytes=optimizer if paged else 0,
-            optimizer_window_bytes=4 * self._profile.page_bytes if paged else 0)
+            optimizer_window_bytes=4 * self._profile.page_bytes if paged else 0,
+            gpu_packed_base_bytes=sum(c.nbytes() for c in self._device_copies.values()))
 
     def _dequant_tile_bytes(self) -> int:
-        return 0 if self._storage == "float32" else 4 << 20
+        return 0 if self._storage == "float32" or self._device_copies else 4 << 20
 
     # ---- placement and profile --------------------------------------------------------------
     def to(self, device) -> "PretrainedModel":
@@ -217,7 +228,8 @@ class PretrainedModel:
     def module(self):
         """The torch Llama of this handle (built once, cached; its tensors must not be changed)."""
         if self._module is None:
-            self._module = build(self._source.config, self._weights, self._method, self._adapter_tensors)
+            self._module = build(self._source.config, self._weights, self._method, self._adapter_tensors,
+                                 self._device_copies)
         return self._module
 
     @torch.no_grad()
@@ -328,7 +340,8 @@ class PretrainedModel:
         m = self.memory_summary()
         grads_and_moments = 3 * m.trainable_bytes
         needed = m.weight_bytes + m.adapter_bytes + m.frozen_adapter_bytes + grads_and_moments \
-            + activation_bytes(self._source.config, micro_batch, context) + m.dequant_tile_bytes
+            + activation_bytes(self._source.config, micro_batch, context, self._device) + m.dequant_tile_bytes \
+            + m.gpu_packed_base_bytes
         if self._method is None and self._storage == "float32":
             needed += m.floating_base_bytes  # the private copy that training updates
         admit("training", needed, self._budget)
@@ -402,7 +415,7 @@ class PretrainedModel:
             tensors = {n: t.detach().clone() for n, t in tensors.items()}
             trainable = {n: tensors[n].requires_grad_(True) for n in self._trainable_names()}
         state = replace(state, moments={n: (m.clone(), v.clone()) for n, (m, v) in state.moments.items()})
-        model = build(self._source.config, weights, self._method, tensors)
+        model = build(self._source.config, weights, self._method, tensors, self._device_copies)
 
         def trained(state):
             frozen = {n: w.detach() for n, w in weights.items()} if self._method is None else weights

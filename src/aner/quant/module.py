@@ -1,10 +1,15 @@
 """A packed NF4 weight in the Llama's module tree: the projection/embedding interface of `Dense`.
 
-forward(x) = nf4_linear(x, W): decodes bounded row tiles (DEFAULT_TILE_BYTES of FP32 at a time),
-FP32 out, FP32 input gradient, no weight gradient. lookup(tokens) decodes only the selected rows.
-A tied output head is the embedding's module used as a projection, so it decodes by tiles too.
-Nothing keeps a dense copy of the matrix between calls. Adapters wrap this module exactly as they
-wrap `Dense`: they only call it.
+Two kernels (the profile's `nf4_kernel`):
+  host_tiled  forward(x) = nf4_linear(x, W): the packed buffers stay on the host and bounded row
+              tiles (DEFAULT_TILE_BYTES of FP32 at a time) are decoded there and copied to x's
+              device; out in x's dtype, input gradient only. lookup(tokens) decodes only the rows.
+  fused       a device copy of the packed buffers (`kernels.nf4.DevicePacked`); the GPU kernels
+              decode inside the matrix tile. Under a FP16/BF16 autocast policy x is rounded to
+              that dtype and each decoded weight too, with FP32 accumulation, as cuBLAS does for
+              a dense weight under autocast; otherwise everything is FP32.
+A tied output head is the embedding's module used as a projection. Nothing keeps a dense copy
+of the matrix between calls. Adapters wrap this module exactly as they wrap `Dense`.
 """
 import torch
 from torch import nn
@@ -16,19 +21,30 @@ from .nf4 import DEFAULT_TILE_BYTES, NF4Weight, nf4_linear
 class NF4Module(nn.Module):
     """A frozen NF4 weight (out, in) as a projection (x @ W^T) or an embedding table (rows of W)."""
 
-    def __init__(self, weight: NF4Weight, tile_bytes: int = DEFAULT_TILE_BYTES):
+    def __init__(self, weight: NF4Weight, tile_bytes: int = DEFAULT_TILE_BYTES, device_copy=None):
         super().__init__()
         if not isinstance(weight, NF4Weight):
             raise ConfigError(f"weight must be an NF4Weight, got {type(weight).__name__}")
         self.weight = weight            # a plain attribute: not a Parameter, never trained
         self.tile_bytes = tile_bytes
+        self.device_copy = device_copy  # kernels.nf4.DevicePacked for the fused kernels, else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return nf4_linear(x, self.weight, self.tile_bytes)     # (..., in) -> (..., out), FP32
+        if self.device_copy is None:
+            return nf4_linear(x, self.weight, self.tile_bytes)  # (..., in) -> (..., out)
+        from ..kernels.nf4 import fused_nf4_linear
+        if torch.is_autocast_enabled(x.device.type):
+            x = x.to(torch.get_autocast_dtype(x.device.type))
+        with torch.autocast(x.device.type, enabled=False):
+            return fused_nf4_linear(x, self.device_copy)        # (..., in) -> (..., out), x's dtype
 
     def lookup(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.weight.dequantize_rows(tokens)              # (B, T) -> (B, T, in), FP32
+        if self.device_copy is None:
+            return self.weight.dequantize_rows(tokens)          # (B, T) -> (B, T, in), FP32
+        from ..kernels.nf4 import nf4_embedding
+        return nf4_embedding(self.device_copy, tokens)
 
     def extra_repr(self) -> str:
         kind = "double_quant" if self.weight.double_quant else "absmax"
-        return f"shape={self.weight.shape}, {kind}, tile_bytes={self.tile_bytes}"
+        kernel = "fused" if self.device_copy is not None else f"host_tiled, tile_bytes={self.tile_bytes}"
+        return f"shape={self.weight.shape}, {kind}, {kernel}"

@@ -318,11 +318,6 @@ class NF4Weight:
         out = NF4_CODEBOOK[idx.long()] * scale
         return out.reshape(*row_indices.shape, cols).to(row_indices.device)
 
-    def module(self, tile_bytes: int = DEFAULT_TILE_BYTES):
-        """This weight as a projection/embedding module (`aner.quant.module.NF4Module`)."""
-        from .module import NF4Module
-        return NF4Module(self, tile_bytes)
-
     def tensors(self) -> dict[str, torch.Tensor]:
         """Flat dict for a safetensors checkpoint; the caller prefixes the names."""
         meta = {"nf4_version": torch.tensor(FORMAT_VERSION, dtype=torch.int64),

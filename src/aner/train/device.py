@@ -29,10 +29,17 @@ def require_cuda(device: str) -> None:
 
 def execution_profile(device: str) -> dict:
     """What a bitwise replay depends on beyond the backend identity (which already names torch
-    and the thread count): for CUDA the device, its capability and the cuBLAS policy."""
+    and the thread count): for CUDA the device, its capability, the cuBLAS policy and the Triton
+    compiler that builds the fused kernels for this device."""
     if device == "cpu":
         return {"device": "cpu"}
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        triton = version("triton")
+    except PackageNotFoundError:
+        triton = None
     p = torch.cuda.get_device_properties(device)
     return {"device": "cuda", "name": p.name, "capability": f"{p.major}.{p.minor}",
             "multiprocessors": p.multi_processor_count, "memory_bytes": p.total_memory,
-            "cuda_runtime": torch.version.cuda, "cublas_workspace": os.environ.get("CUBLAS_WORKSPACE_CONFIG")}
+            "cuda_runtime": torch.version.cuda, "cublas_workspace": os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
+            "triton": triton}

@@ -27,6 +27,8 @@ from .scaler import LossScale
 MAX_STEPS = 1_000_000
 MAX_MICRO_BATCH = 4096
 MAX_ACCUMULATION = 4096
+EVAL_TOKENS = 2048      # padded positions per evaluation batch (bounds its logits)
+IGNORE = -100           # target index of unscored positions
 
 
 @dataclass(frozen=True)
@@ -100,19 +102,38 @@ def batch(examples, device):
 
 
 def summed_loss(model, examples, device, profile=Profile()) -> torch.Tensor:
-    """Sum of FP32 cross-entropy over the scored tokens of `examples`."""
+    """Sum of FP32 cross-entropy over the scored tokens of `examples`.
+
+    Unscored positions get the ignore index rather than being gathered out, so the loss needs no
+    host synchronisation and no copy of the logits; their terms and gradients are exactly zero.
+    """
     inputs, targets, mask = batch(examples, device)
     with profile.autocast(device):
         logits = model(inputs)                               # (B, T-1, V), FP32 out of the head
-    return F.cross_entropy(logits[mask].float(), targets[mask], reduction="sum")
+    targets = targets.masked_fill(~mask, IGNORE)
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE, reduction="sum")
+
+
+def eval_batches(items, tokens: int = EVAL_TOKENS):
+    """Consecutive runs of examples padded to at most `tokens` positions each (at least one
+    example): a pure function of the data, so a validation loss never depends on the run."""
+    out, longest = [], 0
+    for e in items:
+        longest = max(longest, len(e.tokens))
+        if out and (len(out[-1]) + 1) * longest <= tokens:
+            out[-1].append(e)
+        else:
+            out.append([e])
+            longest = len(e.tokens)
+    return out
 
 
 @torch.no_grad()
 def evaluate(model, data, device, profile=Profile()) -> float:
     """Token-weighted loss: total cross-entropy over all scored tokens / their count (float64 sum)."""
     total = 0.0
-    for e in data.items:
-        total += float(summed_loss(model, [e], device, profile))
+    for examples in eval_batches(data.items):
+        total += float(summed_loss(model, examples, device, profile))
     return total / data.scored_tokens()
 
 

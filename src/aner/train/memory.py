@@ -62,14 +62,16 @@ class MemorySummary:
         return "\n".join([f"{k:<{width}}  {v}" for k, v in rows] + [f"scope: {self.scope}"])
 
 
-def activation_bytes(config, micro_batch: int, tokens: int) -> int:
+def activation_bytes(config, micro_batch: int, tokens: int, device: str = "cpu") -> int:
     """Conservative FP32 activations kept for backward over one micro-batch of `tokens` positions.
 
     Per layer: ~10 width-sized tensors (norms, q/k/v, attention output, residuals), 4 feed-forward
-    sized (gate, up, activation, product) and the attention probabilities (H x T x T). Plus the
-    logits and their gradient over the vocabulary.
+    sized (gate, up, activation, product) and, on the CPU, the attention probabilities (H x T x T);
+    CUDA's fused attention kernels keep one log-sum-exp per row and head instead. Plus the logits
+    and their gradient over the vocabulary.
     """
     c = config
-    per_layer = tokens * (10 * c.dim + 4 * c.ffn_dim + c.n_head * tokens)
+    attention = c.n_head * tokens if device == "cpu" else c.n_head
+    per_layer = tokens * (10 * c.dim + 4 * c.ffn_dim + attention)
     logits = 3 * tokens * c.vocab_size
     return 4 * micro_batch * (c.n_layer * per_layer + logits)

@@ -57,7 +57,7 @@ class PagedAdamW:
                 load(k + 1)  # the side stream issued chunk k-1's write-back first, so its buffer is free
             main.wait_event(loaded[b])
             bm, bv = bufs[b]
-            self.adamw.update(params[name].view(-1)[s:e], grads[name].view(-1)[s:e], bm[:e - s], bv[:e - s], t)
+            self.adamw.update([params[name].view(-1)[s:e]], [grads[name].view(-1)[s:e]], [bm[:e - s]], [bv[:e - s]], t)
             computed[b].record(main)
             m, v = moments[name]
             with torch.cuda.stream(side):

@@ -56,8 +56,8 @@ class Profile:
                                   "on device='cpu' use nf4_kernel='host_tiled'")
             from ..kernels import fused_available
             if not fused_available():
-                raise ConfigError("nf4_kernel='fused' is not available in this build (the fused NF4 "
-                                  "kernels are not part of it yet); use nf4_kernel='host_tiled'")
+                raise ConfigError("nf4_kernel='fused' needs Triton, which this installation lacks (it "
+                                  "comes with PyTorch's CUDA builds); use nf4_kernel='host_tiled'")
 
     @property
     def compute_dtype(self) -> torch.dtype:

@@ -1,0 +1,200 @@
+"""Fused NF4 Triton kernels against dense cuBLAS (and bitsandbytes, when importable), on a GPU.
+
+    PYTHONPATH=src python3 benchmarks/nf4_kernels.py OUT.json [--quick]
+
+For each problem it first checks every variant on fresh random data against an FP32 reference
+(x @ W^T with W decoded densely, TF32 off), then times it with triton.testing.do_bench (median
+ms; do_bench flushes L2 before each call, and the calls rotate over ROTATE input/weight sets).
+Ratios are to the dense BF16 product of the same shape: `x @ w.t()` forward, `g @ w` input
+gradient. Several tile configurations run in the same call so the best can be picked later; the
+row marked `default` is what default_config() chooses. --quick: the N=K=4096 points only.
+"""
+import datetime
+import itertools
+import json
+import sys
+
+import torch
+import triton
+import triton.testing
+
+from aner.kernels import nf4 as K
+from aner.quant.nf4 import NF4Weight
+
+ROTATE = 3
+TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 1e-5}
+C = K.TileConfig
+
+# Tile variants per (op, regime); "default" is added from default_config().
+VARIANTS = {
+    ("matmul", "big"): {
+        "128x128x64w8s3": C(128, 128, 64, num_warps=8, num_stages=3),
+        "128x128x64w8s3-gather": C(128, 128, 64, num_warps=8, num_stages=3, lut=0),
+        "128x128x64w8s3-swap": C(128, 128, 64, num_warps=8, num_stages=3, swap=True),
+        "128x256x64w8s3": C(128, 256, 64, num_warps=8, num_stages=3),
+        "128x256x64w8s3-swap": C(128, 256, 64, num_warps=8, num_stages=3, swap=True),
+        "256x128x64w8s3": C(256, 128, 64, num_warps=8, num_stages=3),
+        "256x128x64w8s3-swap": C(256, 128, 64, num_warps=8, num_stages=3, swap=True),
+        "64x256x64w4s4-swap": C(64, 256, 64, num_warps=4, num_stages=4, swap=True),
+        "128x256x64w8s4-swap": C(128, 256, 64, num_warps=8, num_stages=4, swap=True),
+    },
+    ("matmul_t", "big"): {
+        "128x64x128w8s3": C(128, 64, 128, num_warps=8, num_stages=3),
+        "128x64x128w8s3-gather": C(128, 64, 128, num_warps=8, num_stages=3, lut=0),
+        "128x64x128w8s3-swap": C(128, 64, 128, num_warps=8, num_stages=3, swap=True),
+        "256x64x128w8s3": C(256, 64, 128, num_warps=8, num_stages=3),
+        "256x64x128w8s3-swap": C(256, 64, 128, num_warps=8, num_stages=3, swap=True),
+        "128x64x256w8s3": C(128, 64, 256, num_warps=8, num_stages=3),
+        "128x64x256w8s3-swap": C(128, 64, 256, num_warps=8, num_stages=3, swap=True),
+        "256x32x128w8s4": C(256, 32, 128, num_warps=8, num_stages=4),
+        "64x64x256w4s4-swap": C(64, 64, 256, num_warps=4, num_stages=4, swap=True),
+    },
+    ("matmul", "small"): {
+        "128x64x64w4s4-split2": C(128, 64, 64, split=2, num_warps=4, num_stages=4),
+        "128x64x64w4s4-split2-gather": C(128, 64, 64, split=2, num_warps=4, num_stages=4, lut=0),
+        "128x64x64w4s4-split2-swap": C(128, 64, 64, split=2, num_warps=4, num_stages=4, swap=True),
+        "128x128x64w8s3-split4": C(128, 128, 64, split=4, num_warps=8, num_stages=3),
+        "128x128x64w8s3-split4-swap": C(128, 128, 64, split=4, num_warps=8, num_stages=3, swap=True),
+        "128x256x64w8s3-split8-swap": C(128, 256, 64, split=8, num_warps=8, num_stages=3, swap=True),
+        "128x32x128w4s4-split4": C(128, 32, 128, split=4, num_warps=4, num_stages=4),
+        "128x64x128w4s4-split2-swap": C(128, 64, 128, split=2, num_warps=4, num_stages=4, swap=True),
+    },
+    ("matmul_t", "small"): {
+        "128x64x64w4s4-split2": C(128, 64, 64, split=2, num_warps=4, num_stages=4),
+        "128x64x64w4s4-split2-gather": C(128, 64, 64, split=2, num_warps=4, num_stages=4, lut=0),
+        "128x64x64w4s4-split2-swap": C(128, 64, 64, split=2, num_warps=4, num_stages=4, swap=True),
+        "128x64x128w8s3-split4": C(128, 64, 128, split=4, num_warps=8, num_stages=3),
+        "128x64x128w8s3-split4-swap": C(128, 64, 128, split=4, num_warps=8, num_stages=3, swap=True),
+        "128x64x256w8s3-split8-swap": C(128, 64, 256, split=8, num_warps=8, num_stages=3, swap=True),
+        "128x32x128w4s4-split4": C(128, 32, 128, split=4, num_warps=4, num_stages=4),
+    },
+}
+# (N, K, M, full variant sweep)
+PROBLEMS = [(4096, 4096, 128, True), (4096, 4096, 2048, True),
+            (2048, 2048, 8192, False), (8192, 2048, 8192, False), (2048, 8192, 8192, False),
+            (576, 1536, 8192, False), (1536, 576, 8192, False)]
+# Variants also timed on the non-sweep shapes (besides the default).
+SHORTLIST = ("256x128x64w8s3-swap", "128x256x64w8s3-swap", "256x64x128w8s3", "128x64x256w8s3-swap")
+
+
+def bench(fn_of_set, sets):
+    """Median ms of fn_of_set(s), s cycling over the input sets."""
+    cyc = itertools.cycle(sets)
+    return triton.testing.do_bench(lambda: fn_of_set(next(cyc)), warmup=10, rep=60, return_mode="median")
+
+
+def rel_err(got, ref, scale):
+    return ((got.float() - ref).abs() / scale.clamp_min(1e-30)).max().item()
+
+
+def make_sets(N, Kin, M, dtype, dev):
+    sets = []
+    for _ in range(ROTATE):
+        w = NF4Weight.quantize(torch.randn(N, Kin) * 0.02, double_quant=True)
+        w32 = w.dequantize().to(dev)                                    # (N, K) dense FP32, for reference
+        sets.append(dict(packed=K.DevicePacked.from_weight(w, dev), w32=w32, w=w32.to(dtype),
+                         x=torch.randn(M, Kin, device=dev).to(dtype), g=torch.randn(M, N, device=dev).to(dtype)))
+    return sets
+
+
+def bnb_forward(sets):
+    """bitsandbytes matmul_4bit (nf4, compress_statistics=True) with a bf16 x, or None."""
+    try:
+        import bitsandbytes as bnb
+    except Exception:       # not installed, or no CUDA build: the column stays empty
+        return None
+    for s in sets:
+        p = bnb.nn.Params4bit(s["w"].to(torch.bfloat16).contiguous(), requires_grad=False,
+                              quant_type="nf4", compress_statistics=True).to(s["w"].device)
+        s["bnb"] = p
+    return lambda s: bnb.matmul_4bit(s["x"], s["bnb"].t(), quant_state=s["bnb"].quant_state)
+
+
+def run_problem(N, Kin, M, sweep, dtype, rows, dev):
+    sets = make_sets(N, Kin, M, dtype, dev)
+    s0 = sets[0]
+    ref_y = s0["x"].float() @ s0["w32"].t()
+    scale_y = s0["x"].float().abs() @ s0["w32"].abs().t()
+    ref_dx = s0["g"].float() @ s0["w32"]
+    scale_dx = s0["g"].float().abs() @ s0["w32"].abs()
+    flops = 2.0 * M * N * Kin
+    dense = {"matmul": bench(lambda s: s["x"] @ s["w"].t(), sets),
+             "matmul_t": bench(lambda s: s["g"] @ s["w"], sets)}
+    base = dict(N=N, K=Kin, M=M, dtype=str(dtype).replace("torch.", ""))
+    for op in ("matmul", "matmul_t"):
+        rows.append(dict(base, op=op, impl="dense", variant="cublas", ms=dense[op], ratio=1.0,
+                         tflops=flops / dense[op] / 1e9))
+        regime = "big" if M >= 1024 else "small"
+        default = K.default_config(op, M, N, Kin, dtype)
+        variants = {"default": default}
+        if dtype != torch.float32:
+            pool = VARIANTS[(op, regime)]
+            variants.update(pool if sweep else {k: v for k, v in pool.items() if k in SHORTLIST})
+        launch = K.nf4_matmul if op == "matmul" else K.nf4_matmul_t
+        arg = "x" if op == "matmul" else "g"
+        ref, scale = (ref_y, scale_y) if op == "matmul" else (ref_dx, scale_dx)
+        for name, cfg in variants.items():
+            row = dict(base, op=op, impl="aner-nf4", variant=name, config=cfg.__dict__,
+                       is_default=cfg == default)
+            try:
+                err = rel_err(launch(s0[arg], s0["packed"], config=cfg), ref, scale)
+                row["rel_err"] = err
+                row["ok"] = err <= TOL[dtype]
+                ms = bench(lambda s: launch(s[arg], s["packed"], config=cfg), sets)
+                row.update(ms=ms, ratio=ms / dense[op], tflops=flops / ms / 1e9)
+            except Exception as e:          # a variant that fails to compile is reported, not fatal
+                row.update(ok=False, error=f"{type(e).__name__}: {str(e)[:300]}")
+            rows.append(row)
+            print(fmt(row), flush=True)
+    if dtype == torch.bfloat16:
+        fn = bnb_forward(sets)
+        if fn is not None:
+            err = rel_err(fn(s0), ref_y, scale_y)
+            ms = bench(fn, sets)
+            rows.append(dict(base, op="matmul", impl="bitsandbytes", variant="matmul_4bit", ms=ms,
+                             ratio=ms / dense["matmul"], tflops=flops / ms / 1e9, rel_err=err))
+            print(fmt(rows[-1]), flush=True)
+    del sets
+    torch.cuda.empty_cache()
+
+
+def fmt(r):
+    head = f"{r['N']:>5}x{r['K']:<5} M={r['M']:<5} {r['dtype']:<8} {r['op']:<8} {r['impl']:<12} {r['variant']:<26}"
+    if "ms" not in r:
+        return head + f" FAILED {r.get('error', '')[:120]}"
+    flag = "*" if r.get("is_default") else " "
+    extra = f" err={r['rel_err']:.1e}{'' if r.get('ok', True) else ' WRONG'}" if "rel_err" in r else ""
+    return head + f" {r['ms'] * 1e3:9.1f} us  x{r['ratio']:.2f} {r['tflops']:6.0f} TF/s{flag}{extra}"
+
+
+def main():
+    if len(sys.argv) < 2:
+        sys.exit("usage: nf4_kernels.py OUT.json [--quick]")
+    quick = "--quick" in sys.argv[2:]
+    dev = torch.device("cuda")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.manual_seed(0)
+    rows = []
+    started = datetime.datetime.now(datetime.timezone.utc).isoformat()
+    for N, Kin, M, sweep in PROBLEMS:
+        if quick and (N, Kin) != (4096, 4096):
+            continue
+        run_problem(N, Kin, M, sweep, torch.bfloat16, rows, dev)
+    run_problem(4096, 4096, 2048, False, torch.float32, rows, dev)       # FP32 ("ieee"), for information
+    print("\nbest per problem (ratio to dense; * = default):")
+    keyf = lambda r: (r["N"], r["K"], r["M"], r["dtype"], r["op"])      # noqa: E731
+    ours = [r for r in rows if r["impl"] == "aner-nf4" and r.get("ok")]
+    for key, grp in itertools.groupby(sorted(ours, key=keyf), key=keyf):
+        grp = list(grp)
+        best = min(grp, key=lambda r: r["ms"])
+        dflt = next(r for r in grp if r["variant"] == "default")
+        print(f"  {key}: best {best['variant']} x{best['ratio']:.2f}; default x{dflt['ratio']:.2f}")
+    out = dict(started=started, finished=datetime.datetime.now(datetime.timezone.utc).isoformat(),
+               device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+               rotate=ROTATE, rows=rows)
+    with open(sys.argv[1], "w") as f:
+        json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

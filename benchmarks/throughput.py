@@ -1,0 +1,192 @@
+"""Training throughput on the GPU: this library against the peer, measured in one run.
+
+    CUBLAS_WORKSPACE_CONFIG=:4096:8 python benchmarks/throughput.py OUT.json [model:method ...]
+    ... --profile model:method      where one update's GPU time goes (no JSON)
+
+Both sides train random-weight models of the real shapes (SmolLM2-135M, Llama-3.2-1B,
+Llama-3.1-8B) on batches of 8 x 1024 tokens: BF16 operation policy, LoRA rank 16 / alpha 32 on
+all seven projections, AdamW. Ours runs in this process under the library's default
+deterministic policy (`CUBLAS_WORKSPACE_CONFIG`, deterministic algorithms, TF32 off); the peer
+(`benchmarks/peer.py`: transformers + PEFT + bitsandbytes) runs in a child process in its usual
+mode. Each side warms up, then times N updates over the same fixed batch of 8 sequences with
+device synchronisation, so "the loss falls" is checkable, and reports tokens/s (8 x 1024 input
+positions per update, over the sum of the timed updates' seconds) and the Torch allocator peak. Methods: full (FP32 masters), lora (FP32
+base), qlora (NF4 double-quantized base, fused kernels when available). The record holds both
+sides and their ratios.
+"""
+import argparse
+import gc
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT / "src")]
+
+from aner import gen  # noqa: E402
+from aner.data.supervised import Example, TrainingData  # noqa: E402
+from aner.model import names  # noqa: E402
+from aner.model.config import LlamaConfig  # noqa: E402
+from aner.model.handle import PretrainedModel, Source  # noqa: E402
+
+DEV = "cuda:0"
+BATCH, SEQ = 8, 1024
+TARGETS = ["attention.q_proj", "attention.k_proj", "attention.v_proj", "attention.o_proj",
+           "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]
+# (layers, width, heads, kv heads, feed-forward width, vocabulary, tied head, rope base)
+MODELS = {
+    "smollm2-135m": (30, 576, 9, 3, 1536, 49152, True, 100000.0),
+    "llama-3.2-1b": (16, 2048, 32, 8, 8192, 128256, True, 500000.0),
+    "llama-3.1-8b": (32, 4096, 32, 8, 14336, 128256, False, 500000.0),
+}
+DEFAULT = ["smollm2-135m:full", "smollm2-135m:lora", "smollm2-135m:qlora",
+           "llama-3.2-1b:full", "llama-3.2-1b:lora", "llama-3.2-1b:qlora", "llama-3.1-8b:qlora"]
+
+
+def random_model(name: str) -> PretrainedModel:
+    """A random-weight model of `name`'s shape on the GPU (std 0.02 matrices, unit norms)."""
+    n_layer, dim, n_head, n_kv, ffn, vocab, tied, rope = MODELS[name]
+    config = LlamaConfig(n_layer, dim, n_head, n_kv, ffn, vocab, 8192, 1e-5, rope, tied)
+    g = torch.Generator(device=DEV).manual_seed(0)
+    weights = {}
+    for tensor, (_, role, shape) in names.expected(config).items():
+        weights[tensor] = torch.ones(shape, device=DEV) if role == "norm" else \
+            torch.randn(shape, device=DEV, generator=g) * 0.02
+    source = Source(path=f"random {name}", sha256="0" * 64, canonical_sha256="0" * 64,
+                    tokenizer_sha256="random", config=config, fields=(), metadata_path="")
+    return PretrainedModel(source=source, weights=weights, device=DEV, budget=64 << 30)
+
+
+def data(vocab: int):
+    """8 random sequences of SEQ + 1 tokens, every position after the first scored, and a
+    one-example validation set (evaluated once per call, a negligible share of the time)."""
+    g = torch.Generator().manual_seed(1)
+    rows = torch.randint(0, vocab, (BATCH + 1, SEQ + 1), generator=g).tolist()
+    items = tuple(Example(tuple(r), 1) for r in rows)
+    tr = TrainingData("training", items[:BATCH], "random", SEQ + 1, "random")
+    va = TrainingData("validation", items[BATCH:], "random", SEQ + 1, "random")
+    return tr, va
+
+
+def select(base, method):
+    if method == "full":
+        return base
+    if method == "qlora":
+        from aner.kernels import fused_available
+        if not fused_available():
+            raise RuntimeError("the fused NF4 kernels are not available here (host tiling is not a throughput path)")
+        base = base.nf4(double_quant=True)
+        return base.lora(targets=TARGETS, rank=16, alpha=32.0).with_training_profile(
+            precision="bfloat16", nf4_kernel="fused")
+    return base.lora(targets=TARGETS, rank=16, alpha=32.0)
+
+
+def ours(model: str, method: str, steps=10, warmup=3) -> dict:
+    base = random_model(model)
+    tr, va = data(base.config().vocab_size)
+    src = select(base, method)
+    if method != "qlora":
+        src = src.with_training_profile(precision="bfloat16")
+    del base
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    kw = dict(micro_batch=BATCH, rate=1e-4, seed=0)
+    m = src.fine_tune(tr, va, steps=warmup, **kw)
+    times = []
+
+    def tick(state, view):
+        torch.cuda.synchronize()
+        times.append(time.perf_counter())
+
+    # steps + 1 updates in one call, timed between the ends of the first and the last: the call's
+    # start (private copies of the trainable tensors and moments) stays out of the figure.
+    m = m._train(tr, va, m._state, steps + 1, progress=False, on_update=tick)
+    step_seconds = [b - a for a, b in zip(times[:-1], times[1:])]
+    losses = list(m._state.losses[warmup + 1:])
+    result = {"side": "ours", "model": model, "method": method,
+              "tokens_per_s": steps * BATCH * SEQ / sum(step_seconds),
+              "peak_bytes": torch.cuda.max_memory_allocated(), "step_seconds": step_seconds,
+              "losses": losses, "finite": all(map(lambda x: x == x and abs(x) < float("inf"), losses)),
+              "loss_fell": losses[-1] < losses[0], "parameters": m.parameters(),
+              "trainable_parameters": m.trainable_parameters(), "training_profile": m.training_profile()}
+    del m, src
+    gc.collect()
+    torch.cuda.empty_cache()
+    return result
+
+
+def peer(combos: list[str], out: Path) -> dict:
+    """The peer's results, run in a child process in its own (non-deterministic) default mode."""
+    env = {k: v for k, v in os.environ.items() if k != "CUBLAS_WORKSPACE_CONFIG"}
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "peer.py"), str(out), *combos], env=env)
+    if not out.exists():
+        return {}
+    rows = json.loads(out.read_text()).get("results", [])
+    return {f"{r['model']}:{r['method']}": r for r in rows}
+
+
+def profile(combo: str):
+    model, method = combo.split(":")
+    base = random_model(model)
+    tr, va = data(base.config().vocab_size)
+    src = select(base, method)
+    if method != "qlora":
+        src = src.with_training_profile(precision="bfloat16")
+    m = src.fine_tune(tr, va, steps=2, micro_batch=BATCH)
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=acts) as prof:
+        m = m.resume(tr, va, steps=2)
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=30, max_name_column_width=70))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out", nargs="?")
+    ap.add_argument("combos", nargs="*")
+    ap.add_argument("--profile")
+    ap.add_argument("--no-peer", action="store_true")
+    ap.add_argument("--steps", type=int, default=10)
+    a = ap.parse_intermixed_args()
+    if a.profile:
+        return profile(a.profile)
+    combos = a.combos or DEFAULT
+    out = Path(a.out)
+    record = {"schema": "aner.throughput/1", "date": time.strftime("%Y-%m-%d"),
+              "environment": {"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
+                              "cuda": torch.version.cuda, "python": platform.python_version(),
+                              "backend": gen.training_backend(),
+                              "cublas_workspace": os.environ.get("CUBLAS_WORKSPACE_CONFIG")},
+              "setup": {"batch": BATCH, "sequence": SEQ, "lora_rank": 16, "lora_alpha": 32,
+                        "targets": TARGETS, "precision": "bfloat16", "steps": a.steps},
+              "rows": []}
+    peers = {} if a.no_peer else peer(combos, out.with_name(out.stem + "-peer.json"))
+    for combo in combos:
+        model, method = combo.split(":")
+        try:
+            r = ours(model, method, steps=a.steps)
+        except Exception as e:  # recorded, not hidden
+            r = {"side": "ours", "model": model, "method": method, "error": f"{type(e).__name__}: {e}"}
+            gc.collect()
+            torch.cuda.empty_cache()
+        p = peers.get(combo, {})
+        row = {"model": model, "method": method, "ours": r, "peer": p}
+        if "tokens_per_s" in r and "tokens_per_s" in p:
+            row["speedup"] = r["tokens_per_s"] / p["tokens_per_s"]
+            row["memory_ratio"] = r["peak_bytes"] / p["peak_bytes"]
+        record["rows"].append(row)
+        out.write_text(json.dumps(record, indent=1))
+        fmt = lambda d: (f"{d['tokens_per_s'] / 1e3:7.1f}k tok/s {d['peak_bytes'] / 2**30:6.1f} GiB"  # noqa: E731
+                         if "tokens_per_s" in d else str(d.get("error", "-"))[:60])
+        print(f"{combo:22} ours {fmt(r)} | peer {fmt(p)} | x{row.get('speedup', float('nan')):.2f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

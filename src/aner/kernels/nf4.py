@@ -1,0 +1,487 @@
+"""Fused NF4 kernels (Triton): matmul, its input gradient and the embedding lookup.
+
+Each op has three layers: a `@triton.jit` kernel, a launcher that checks its inputs, allocates
+the output and picks the grid, and (for the projection) an autograd Function. The pure-torch
+references are `NF4Weight.dequantize()` (+ a matmul) and `NF4Weight.dequantize_rows`.
+
+Format (see aner.quant.nf4): W is (N, K) = (out, in), flat index f = n * K + k. Byte f >> 1 of
+`codes` holds element f in its HIGH nibble when f is even, in its low nibble when f is odd.
+Block b = f >> 6 has absmax[b], or with double quantization
+    absmax[b] = DYNAMIC8_CODEBOOK[absmax_codes[b]] * absmax_scales[b >> 8] + absmax_offset.
+
+Numerics (identical to NF4Weight.dequantize(), bit for bit):
+  w = NF4_CODEBOOK[nibble] * absmax[b]   one FP32 multiply; the double-quant absmax is an FP32
+                                         multiply then an FP32 add. Every launch passes
+                                         enable_fp_fusion=False so the compiler never fuses
+                                         them into an FMA (which would round once, not twice).
+  matmul operand = w rounded to x's dtype (round to nearest even) for FP16/BF16, w for FP32.
+  products accumulate in FP32 (tl.dot, out_dtype FP32); FP32 inputs use input_precision
+  "ieee" (true FP32, no TF32), as the library's precision policy disables TF32.
+
+The decoded weight exists only as a tile in registers/shared memory inside a matmul program:
+there is no dense copy of W on the device. Nothing uses atomics or autotuning: each output
+element is summed by one program in a fixed order (split-K partials are reduced by a second
+kernel in split order), and the tile configuration is a fixed function of (M, N, K, dtype), so
+the same inputs give bitwise identical outputs on every run.
+"""
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from ..errors import ConfigError
+from ..quant.nf4 import ABSMAX_BLOCK, DYNAMIC8_CODEBOOK, NF4_BLOCK, NF4_CODEBOOK, NF4Weight
+
+# The kernels shift instead of dividing: flat >> 6 is the NF4 block, block >> 8 its scale.
+assert NF4_BLOCK == 64 and ABSMAX_BLOCK == 256
+
+TARGET_PROGRAMS = 132   # H200/H100 SXM multiprocessors: split-K aims at one wave of >= this many
+_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+
+
+# ----------------------------------------------------------------------------- packed weight
+
+@dataclass(frozen=True, eq=False)
+class DevicePacked:
+    """An immutable device copy of an NF4Weight: the packed tensors and the two codebooks."""
+    shape: tuple[int, int]                      # (N, K) = (out, in)
+    double_quant: bool
+    codes: torch.Tensor                         # (ceil(N*K / 2),) uint8, high nibble first
+    absmax: torch.Tensor | None                 # (blocks,) float32, plain
+    absmax_codes: torch.Tensor | None           # (blocks,) uint8, double quant
+    absmax_scales: torch.Tensor | None          # (ceil(blocks / 256),) float32
+    absmax_offset: torch.Tensor | None          # (1,) float32
+    nf4_codebook: torch.Tensor                  # (16,) float32
+    dynamic8_codebook: torch.Tensor             # (256,) float32
+
+    @classmethod
+    def from_weight(cls, weight: NF4Weight, device) -> "DevicePacked":
+        if not isinstance(weight, NF4Weight):
+            raise ConfigError(f"weight must be an NF4Weight, got {type(weight).__name__}")
+        device = torch.device(device)
+
+        def put(t):
+            return None if t is None else t.detach().to(device).contiguous()
+
+        offset = None if weight.absmax_offset is None else weight.absmax_offset.reshape(1)
+        return cls(shape=weight.shape, double_quant=weight.double_quant, codes=put(weight.codes),
+                   absmax=put(weight.absmax), absmax_codes=put(weight.absmax_codes),
+                   absmax_scales=put(weight.absmax_scales), absmax_offset=put(offset),
+                   nf4_codebook=put(NF4_CODEBOOK), dynamic8_codebook=put(DYNAMIC8_CODEBOOK))
+
+    @property
+    def device(self) -> torch.device:
+        return self.codes.device
+
+    def nbytes(self) -> int:
+        """Bytes of the packed tensors held on the device (codes, scales, offset, codebooks)."""
+        held = [self.codes, self.absmax, self.absmax_codes, self.absmax_scales, self.absmax_offset,
+                self.nf4_codebook, self.dynamic8_codebook]
+        return sum(t.numel() * t.element_size() for t in held if t is not None)
+
+    def _args(self):
+        """Pointer arguments of every kernel; unused slots get `codes` (never dereferenced)."""
+        if self.double_quant:
+            return (self.codes, self.codes, self.absmax_codes, self.absmax_scales, self.absmax_offset,
+                    self.nf4_codebook, self.dynamic8_codebook)
+        return (self.codes, self.absmax, self.codes, self.codes, self.codes,
+                self.nf4_codebook, self.dynamic8_codebook)
+
+
+# ----------------------------------------------------------------------------- decode (device)
+
+@triton.jit
+def _nf4_value(nib, nf4cb, LUT: tl.constexpr):
+    """4-bit index -> FP32 NF4 code value. LUT 0: gather from the 64-byte device table (one L1
+    line); LUT 1: a select tree over literal constants (exact FP32 values of NF4_CODEBOOK)."""
+    if LUT == 0:
+        return tl.load(nf4cb + nib.to(tl.int32))
+    else:
+        b0 = (nib & 1) != 0
+        b1 = (nib & 2) != 0
+        b2 = (nib & 4) != 0
+        b3 = (nib & 8) != 0
+        v0 = tl.where(b0, -0.6961928009986877, -1.0)
+        v1 = tl.where(b0, -0.39491748809814453, -0.5250730514526367)
+        v2 = tl.where(b0, -0.18477343022823334, -0.28444138169288635)
+        v3 = tl.where(b0, 0.0, -0.09105003625154495)
+        v4 = tl.where(b0, 0.16093020141124725, 0.07958029955625534)
+        v5 = tl.where(b0, 0.33791524171829224, 0.24611230194568634)
+        v6 = tl.where(b0, 0.5626170039176941, 0.44070982933044434)
+        v7 = tl.where(b0, 1.0, 0.7229568362236023)
+        u0 = tl.where(b1, v1, v0)
+        u1 = tl.where(b1, v3, v2)
+        u2 = tl.where(b1, v5, v4)
+        u3 = tl.where(b1, v7, v6)
+        t0 = tl.where(b2, u1, u0)
+        t1 = tl.where(b2, u3, u2)
+        return tl.where(b3, t1, t0).to(tl.float32)
+
+
+@triton.jit
+def _block_absmax(blk, mask, absmax, acodes, ascales, aoffset, dyncb, DQ: tl.constexpr):
+    """FP32 absmax of NF4 blocks `blk` (masked lanes give 0)."""
+    if DQ:
+        code = tl.load(acodes + blk, mask=mask, other=0).to(tl.int32)
+        scale = tl.load(ascales + (blk >> 8), mask=mask, other=0.0)
+        # FP32 multiply, then FP32 add: two roundings (the launch disables FMA contraction).
+        return tl.load(dyncb + code) * scale + tl.load(aoffset)
+    else:
+        return tl.load(absmax + blk, mask=mask, other=0.0)
+
+
+@triton.jit
+def _decode_any(codes, absmax, acodes, ascales, aoffset, nf4cb, dyncb, rows, row_mask, cols, K,
+                DQ: tl.constexpr, LUT: tl.constexpr):
+    """(R,) rows x (C,) cols -> (R, C) FP32 tile, general flat-index decode (any K, blocks that
+    straddle rows, partial last block). Masked elements decode to (+/-)0."""
+    flat = rows.to(tl.int64)[:, None] * K + cols[None, :]              # (R, C) flat element ids
+    mask = row_mask[:, None] & (cols < K)[None, :]
+    byte = tl.load(codes + (flat >> 1), mask=mask, other=0)
+    nib = tl.where((flat & 1) == 0, byte >> 4, byte & 15)
+    am = _block_absmax(flat >> 6, mask, absmax, acodes, ascales, aoffset, dyncb, DQ)
+    return _nf4_value(nib, nf4cb, LUT) * am
+
+
+@triton.jit
+def _decode_k64(codes, absmax, acodes, ascales, aoffset, nf4cb, dyncb, rows, row_mask, grp0, K,
+                R: tl.constexpr, G: tl.constexpr, DQ: tl.constexpr, LUT: tl.constexpr):
+    """Fast path for K % 64 == 0: rows x columns [64 * grp0, 64 * (grp0 + G)) -> (R, 64 G) FP32.
+
+    Each row's 64-column group is exactly one NF4 block (b = row * K/64 + group) stored in 32
+    bytes, so the tile loads 32 bytes per block, one absmax per block, and splits nibbles.
+    """
+    KG = K // 64
+    g = grp0 + tl.arange(0, G)                                          # (G,) column groups
+    mask = row_mask[:, None] & (g < KG)[None, :]                        # (R, G)
+    blk = rows.to(tl.int64)[:, None] * KG + g[None, :]                  # (R, G) NF4 block ids
+    am = _block_absmax(blk, mask, absmax, acodes, ascales, aoffset, dyncb, DQ)[:, :, None]
+    byte_ofs = blk[:, :, None] * 32 + tl.arange(0, 32)[None, None, :]  # (R, G, 32)
+    byte = tl.load(codes + byte_ofs, mask=mask[:, :, None], other=0)
+    hi = _nf4_value(byte >> 4, nf4cb, LUT) * am                         # even elements
+    lo = _nf4_value(byte & 15, nf4cb, LUT) * am                         # odd elements
+    return tl.reshape(tl.join(hi, lo), (R, G * 64))                     # (R, G, 32, 2) -> (R, 64 G)
+
+
+@triton.jit
+def _decode_tile(codes, absmax, acodes, ascales, aoffset, nf4cb, dyncb, rows, row_mask, col0, K,
+                 R: tl.constexpr, C: tl.constexpr, FAST: tl.constexpr, DQ: tl.constexpr,
+                 LUT: tl.constexpr):
+    """Weight rows `rows` x columns col0 .. col0 + C - 1 -> (R, C) FP32 (FAST: col0 % 64 == 0)."""
+    if FAST:
+        return _decode_k64(codes, absmax, acodes, ascales, aoffset, nf4cb, dyncb, rows, row_mask,
+                           col0 // 64, K, R, C // 64, DQ, LUT)
+    else:
+        return _decode_any(codes, absmax, acodes, ascales, aoffset, nf4cb, dyncb, rows, row_mask,
+                           col0 + tl.arange(0, C), K, DQ, LUT)
+
+
+@triton.jit
+def _tile_ids(M_TILES, O_TILES, GROUP_M: tl.constexpr):
+    """Program id -> (token tile, output-feature tile), grouped so that GROUP_M token tiles
+    walk the same weight tiles together (weight tiles stay in L2)."""
+    pid = tl.program_id(0)
+    per_group = GROUP_M * O_TILES
+    first_m = (pid // per_group) * GROUP_M
+    size_m = tl.minimum(M_TILES - first_m, GROUP_M)
+    return first_m + (pid % per_group) % size_m, (pid % per_group) // size_m
+
+
+# ----------------------------------------------------------------------------- kernels
+
+@triton.jit
+def _nf4_matmul_kernel(x, y, part, codes, absmax, acodes, ascales, aoffset, nf4cb, dyncb,
+                       M, N, K, STEPS_PER_SPLIT: tl.constexpr,
+                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+                       SPLIT: tl.constexpr, FAST: tl.constexpr, DQ: tl.constexpr, LUT: tl.constexpr,
+                       SWAP: tl.constexpr):
+    """y (M, N) = x (M, K) @ W^T; program (tile, s) sums K steps [s, s + 1) * STEPS_PER_SPLIT of BK.
+
+    SWAP computes the transposed tile W x^T, so the decoded weight is the register operand (A)
+    of the MMA and x^T is read from shared memory.
+    """
+    pid_m, pid_n = _tile_ids(tl.cdiv(M, BM), tl.cdiv(N, BN), GROUP_M)
+    pid_s = tl.program_id(1)
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    x_rows = x + offs_m.to(tl.int64)[:, None] * K
+    if SWAP:
+        acc = tl.zeros((BN, BM), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+    # A fixed trip count (constexpr: one compile per (shape, split), a handful per model); the
+    # last part may run past K, and those steps are fully masked (zeros).
+    for i in range(0, STEPS_PER_SPLIT):
+        k0 = (pid_s * STEPS_PER_SPLIT + i) * BK
+        offs_k = k0 + tl.arange(0, BK)
+        xt = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & (offs_k < K)[None, :], other=0.0)
+        w = _decode_tile(codes, absmax, acodes, ascales, aoffset, nf4cb, dyncb, offs_n, n_mask, k0, K,
+                         BN, BK, FAST, DQ, LUT).to(xt.dtype)             # (BN, BK), x's dtype
+        if SWAP:
+            acc = tl.dot(w, tl.trans(xt), acc, input_precision="ieee", out_dtype=tl.float32)
+        else:
+            acc = tl.dot(xt, tl.trans(w), acc, input_precision="ieee", out_dtype=tl.float32)
+    if SWAP:
+        acc = tl.trans(acc)                                             # (BN, BM) -> (BM, BN)
+    out_mask = m_mask[:, None] & n_mask[None, :]
+    out_ofs = offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
+    if SPLIT == 1:
+        tl.store(y + out_ofs, acc.to(y.dtype.element_ty), mask=out_mask)
+    else:
+        tl.store(part + pid_s.to(tl.int64) * M * N + out_ofs, acc, mask=out_mask)
+
+
+@triton.jit
+def _nf4_matmul_t_kernel(g, dx, part, codes, absmax, acodes, ascales, aoffset, nf4cb, dyncb,
+                         M, N, K, STEPS_PER_SPLIT: tl.constexpr,
+                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+                         SPLIT: tl.constexpr, FAST: tl.constexpr, DQ: tl.constexpr, LUT: tl.constexpr,
+                         SWAP: tl.constexpr):
+    """dx (M, K) = g (M, N) @ W; program (tile, s) sums N steps [s, s + 1) * STEPS_PER_SPLIT of BN.
+
+    The output tile is (BM, BK); the decoded weight tile (BN, BK) is the B operand, or with SWAP
+    its transpose is the A operand of dx^T = W^T g^T.
+    """
+    pid_m, pid_k = _tile_ids(tl.cdiv(M, BM), tl.cdiv(K, BK), GROUP_M)
+    pid_s = tl.program_id(1)
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    offs_k = pid_k * BK + tl.arange(0, BK)
+    m_mask = offs_m < M
+    g_rows = g + offs_m.to(tl.int64)[:, None] * N
+    if SWAP:
+        acc = tl.zeros((BK, BM), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BM, BK), dtype=tl.float32)
+    # A fixed trip count (constexpr, as in the forward); steps past N are fully masked (zeros).
+    for i in range(0, STEPS_PER_SPLIT):
+        offs_n = (pid_s * STEPS_PER_SPLIT + i) * BN + tl.arange(0, BN)
+        n_mask = offs_n < N
+        gt = tl.load(g_rows + offs_n[None, :], mask=m_mask[:, None] & n_mask[None, :], other=0.0)
+        w = _decode_tile(codes, absmax, acodes, ascales, aoffset, nf4cb, dyncb, offs_n, n_mask,
+                         pid_k * BK, K, BN, BK, FAST, DQ, LUT).to(gt.dtype)   # (BN, BK)
+        if SWAP:
+            acc = tl.dot(tl.trans(w), tl.trans(gt), acc, input_precision="ieee", out_dtype=tl.float32)
+        else:
+            acc = tl.dot(gt, w, acc, input_precision="ieee", out_dtype=tl.float32)
+    if SWAP:
+        acc = tl.trans(acc)                                             # (BK, BM) -> (BM, BK)
+    out_mask = m_mask[:, None] & (offs_k < K)[None, :]
+    out_ofs = offs_m.to(tl.int64)[:, None] * K + offs_k[None, :]
+    if SPLIT == 1:
+        tl.store(dx + out_ofs, acc.to(dx.dtype.element_ty), mask=out_mask)
+    else:
+        tl.store(part + pid_s.to(tl.int64) * M * K + out_ofs, acc, mask=out_mask)
+
+
+@triton.jit
+def _sum_splits_kernel(part, out, numel, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
+    """out = sum over s = 0, 1, .. SPLIT - 1 of part[s] (FP32, always in that order), cast."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < numel
+    acc = tl.load(part + offs, mask=mask, other=0.0)
+    for s in tl.static_range(1, SPLIT):
+        acc += tl.load(part + s * numel + offs, mask=mask, other=0.0)
+    tl.store(out + offs, acc.to(out.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _nf4_rows_kernel(ids, out, codes, absmax, acodes, ascales, aoffset, nf4cb, dyncb, n_ids, K,
+                     BR: tl.constexpr, BC: tl.constexpr, DQ: tl.constexpr, LUT: tl.constexpr):
+    """out[i, :] = decoded row ids[i] (FP32), BR ids x BC columns per program."""
+    offs_i = tl.program_id(0) * BR + tl.arange(0, BR)
+    i_mask = offs_i < n_ids
+    rows = tl.load(ids + offs_i, mask=i_mask, other=0)
+    col0 = tl.program_id(1) * BC
+    w = _decode_any(codes, absmax, acodes, ascales, aoffset, nf4cb, dyncb, rows, i_mask,
+                    col0 + tl.arange(0, BC), K, DQ, LUT)
+    cols = col0 + tl.arange(0, BC)
+    tl.store(out + offs_i.to(tl.int64)[:, None] * K + cols[None, :], w,
+             mask=i_mask[:, None] & (cols < K)[None, :])
+
+
+# ----------------------------------------------------------------------------- configs
+
+@dataclass(frozen=True)
+class TileConfig:
+    """Tiles of one launch. bm: tokens; bn: weight rows (out features); bk: weight columns (in
+    features). split: parts of the reduced dimension (K forward, N input gradient), summed by a
+    second kernel in order. lut: 0 gather codebook, 1 select tree (measured 4x faster on the
+    H200: the gather compiles to a global load per element). swap: weight as MMA operand A."""
+    bm: int
+    bn: int
+    bk: int
+    split: int = 1
+    group_m: int = 8
+    num_warps: int = 4
+    num_stages: int = 3
+    lut: int = 1
+    swap: bool = False
+
+    def check(self):
+        for name in ("bm", "bn", "bk"):
+            v = getattr(self, name)
+            if v < 16 or v & (v - 1):
+                raise ConfigError(f"TileConfig.{name}={v} must be a power of two >= 16")
+        if self.split < 1 or self.group_m < 1 or self.num_warps not in (1, 2, 4, 8, 16) \
+                or self.num_stages < 1 or self.lut not in (0, 1):
+            raise ConfigError(f"{self} has a value outside split >= 1, group_m >= 1, num_warps in "
+                              f"1..16 (power of two), num_stages >= 1, lut in (0, 1)")
+
+
+def _pow2_at_least(n: int, lo: int) -> int:
+    return max(lo, 1 << max(0, n - 1).bit_length())
+
+
+def _split(tiles: int, steps: int) -> int:
+    """Parts of the reduction for `tiles` output tiles: double while fewer than TARGET_PROGRAMS
+    programs would run and every part keeps >= 4 steps (a fixed function of the shape)."""
+    split = 1
+    while tiles * split < TARGET_PROGRAMS and steps >= 8 * split and split < 16:
+        split *= 2
+    return split
+
+
+def default_config(op: str, M: int, N: int, K: int, dtype: torch.dtype) -> TileConfig:
+    """The tile configuration used when none is given: a fixed function of the problem."""
+    assert op in ("matmul", "matmul_t")
+    if dtype == torch.float32:
+        # "ieee" FP32 dots run on the FMA units: small tiles keep registers in check.
+        bm, bn, bk, warps, stages, swap = min(64, _pow2_at_least(M, 16)), 64, 64, 4, 2, False
+    else:
+        # Verified on the H200 over the whole test grid. Faster measured variants (256-token
+        # tiles with swap=True: x3.5 of dense instead of x7 at M=2048) gave wrong values on
+        # partial tiles (576x576 weight, M=1000) in one run, so they are not the default yet.
+        bm = 128 if M >= 128 else _pow2_at_least(M, 16)
+        warps, stages, swap = (8 if bm >= 128 else 4), 3, False
+        bn, bk = (128 if M >= 128 else 64, 64) if op == "matmul" else (64, 128)
+    if op == "matmul":
+        split = _split(-(-M // bm) * -(-N // bn), -(-K // bk))
+    else:
+        split = _split(-(-M // bm) * -(-K // bk), -(-N // bn))
+    return TileConfig(bm=bm, bn=bn, bk=bk, split=split, num_warps=warps, num_stages=stages, swap=swap)
+
+
+# ----------------------------------------------------------------------------- launchers
+
+def _check_packed(packed):
+    if not isinstance(packed, DevicePacked):
+        raise ConfigError(f"packed must be a DevicePacked (DevicePacked.from_weight), got {type(packed).__name__}")
+
+
+def _check_matrix(name: str, t, cols: int, packed: DevicePacked) -> None:
+    if not isinstance(t, torch.Tensor) or t.dtype not in _FLOATS:
+        raise ConfigError(f"{name} must be a float32, float16 or bfloat16 tensor, got "
+                          f"{getattr(t, 'dtype', type(t).__name__)}")
+    if t.dim() != 2 or t.shape[1] != cols:
+        raise ConfigError(f"{name} of shape {tuple(t.shape)} must be (M, {cols}) for a weight of shape {packed.shape}")
+    if t.device != packed.device:
+        raise ConfigError(f"{name} is on {t.device} but the packed weight is on {packed.device}")
+    if not t.is_contiguous():
+        raise ConfigError(f"{name} must be contiguous (strides {t.stride()} for shape {tuple(t.shape)})")
+
+
+def _launch_matmul(kernel, a, packed, M, R, Q, out_cols, config, op):
+    """Shared launcher: a (M, R) @ (weight or its transpose) -> (M, out_cols), R reduced."""
+    N, K = packed.shape
+    cfg = config or default_config(op, M, N, K, a.dtype)
+    cfg.check()
+    out = torch.empty(M, out_cols, device=a.device, dtype=a.dtype)
+    if M == 0:
+        return out
+    # Tiles along the reduced dimension: BK (in features) forward, BN (out features) backward.
+    red_tile = cfg.bk if op == "matmul" else cfg.bn
+    steps = -(-R // red_tile)
+    split = min(cfg.split, steps)
+    per = -(-steps // split)
+    split = -(-steps // per)                        # no empty part
+    part = torch.empty(split, M, out_cols, device=a.device, dtype=torch.float32) if split > 1 else out
+    fast = K % 64 == 0 and cfg.bk % 64 == 0
+    tiles = -(-M // cfg.bm) * -(-Q // (cfg.bn if op == "matmul" else cfg.bk))
+    kernel[(tiles, split)](a, out, part, *packed._args(), M, N, K, STEPS_PER_SPLIT=per,
+                           BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, GROUP_M=cfg.group_m, SPLIT=split,
+                           FAST=fast, DQ=packed.double_quant, LUT=cfg.lut, SWAP=cfg.swap,
+                           num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False)
+    if split > 1:
+        block = 1024
+        numel = M * out_cols
+        _sum_splits_kernel[(-(-numel // block),)](part, out, numel, SPLIT=split, BLOCK=block,
+                                                   num_warps=4, enable_fp_fusion=False)
+    return out
+
+
+def nf4_matmul(x2d: torch.Tensor, packed: DevicePacked, config: TileConfig | None = None) -> torch.Tensor:
+    """y (M, N) = x2d (M, K) @ W^T in x2d's dtype; FP32 accumulation, W decoded in the tile."""
+    _check_packed(packed)
+    N, K = packed.shape
+    _check_matrix("x2d", x2d, K, packed)
+    return _launch_matmul(_nf4_matmul_kernel, x2d, packed, x2d.shape[0], K, N, N, config, "matmul")
+
+
+def nf4_matmul_t(g2d: torch.Tensor, packed: DevicePacked, config: TileConfig | None = None) -> torch.Tensor:
+    """dx (M, K) = g2d (M, N) @ W in g2d's dtype (the input gradient of nf4_matmul)."""
+    _check_packed(packed)
+    N, K = packed.shape
+    _check_matrix("g2d", g2d, N, packed)
+    return _launch_matmul(_nf4_matmul_t_kernel, g2d, packed, g2d.shape[0], N, K, K, config, "matmul_t")
+
+
+def nf4_embedding(packed: DevicePacked, ids: torch.Tensor, lut: int = 0) -> torch.Tensor:
+    """ids (...) integer rows -> (..., K) float32, equal bit for bit to NF4Weight.dequantize_rows.
+
+    Out-of-range ids raise ConfigError; checking them costs one device-to-host read.
+    """
+    _check_packed(packed)
+    N, K = packed.shape
+    if not isinstance(ids, torch.Tensor) or ids.is_floating_point() or ids.is_complex() \
+            or ids.dtype == torch.bool:
+        raise ConfigError(f"ids must be an integer tensor, got {ids!r:.80}")
+    if ids.device != packed.device:
+        raise ConfigError(f"ids are on {ids.device} but the packed weight is on {packed.device}")
+    if lut not in (0, 1):
+        raise ConfigError(f"lut={lut!r} is not one of (0, 1)")
+    flat = ids.reshape(-1).to(torch.int64).contiguous()                 # (n_ids,)
+    out = torch.empty(flat.numel(), K, device=ids.device, dtype=torch.float32)
+    if flat.numel():
+        lo, hi = torch.aminmax(flat)
+        lo, hi = int(lo), int(hi)
+        if lo < 0 or hi >= N:
+            raise ConfigError(f"ids span {lo} .. {hi}, outside 0 .. {N - 1} of a {packed.shape} weight")
+        br, bc = 4, min(1024, _pow2_at_least(K, 16))
+        grid = (-(-flat.numel() // br), -(-K // bc))
+        _nf4_rows_kernel[grid](flat, out, *packed._args(), flat.numel(), K, BR=br, BC=bc,
+                               DQ=packed.double_quant, LUT=lut, num_warps=4, enable_fp_fusion=False)
+    return out.reshape(*ids.shape, K)
+
+
+# ----------------------------------------------------------------------------- autograd
+
+class _FusedNF4Linear(torch.autograd.Function):
+    """y = x @ W^T through a frozen packed W; backward returns the input gradient only."""
+
+    @staticmethod
+    def forward(ctx, x2d, packed):
+        ctx.packed = packed
+        return nf4_matmul(x2d, packed)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_y):
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            grad_x = nf4_matmul_t(grad_y.contiguous(), ctx.packed)
+        return grad_x, None
+
+
+def fused_nf4_linear(x: torch.Tensor, packed: DevicePacked) -> torch.Tensor:
+    """x (..., K) -> (..., N) = x @ W^T in x's dtype, with an input gradient through nf4_matmul_t."""
+    _check_packed(packed)
+    N, K = packed.shape
+    if not isinstance(x, torch.Tensor) or x.dtype not in _FLOATS:
+        raise ConfigError(f"x must be a float32, float16 or bfloat16 tensor, got {getattr(x, 'dtype', type(x).__name__)}")
+    if x.dim() == 0 or x.shape[-1] != K:
+        raise ConfigError(f"x of shape {tuple(x.shape)} does not end in in_features={K} of a {packed.shape} weight")
+    y = _FusedNF4Linear.apply(x.reshape(-1, K).contiguous(), packed)    # (M, N), M = prod(x.shape[:-1])
+    return y.reshape(*x.shape[:-1], N)

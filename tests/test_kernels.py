@@ -1,0 +1,182 @@
+"""Fused NF4 Triton kernels (aner.kernels.nf4) against the pure-torch references.
+
+Runs on a CUDA device, or on the CPU under Triton's interpreter (TRITON_INTERPRET=1) with a
+reduced grid of small shapes; skips otherwise (CI has neither a GPU nor Triton).
+Oracle: float64 matmul of NF4Weight.dequantize(); embedding rows bit-exact vs dequantize_rows.
+Tolerances, relative to |x| @ |W|^T (resp. |g| @ |W|): FP32 1e-5, FP16 2e-3, BF16 1e-2 (the
+weight is rounded to the input dtype and the output is rounded once; accumulation is FP32).
+"""
+import functools
+import importlib.util
+import os
+
+import pytest
+import torch
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+if importlib.util.find_spec("triton") is None:
+    pytest.skip("Triton is not installed", allow_module_level=True)
+if not (torch.cuda.is_available() or INTERPRET):
+    pytest.skip("needs a CUDA device, or TRITON_INTERPRET=1 for Triton's CPU interpreter",
+                allow_module_level=True)
+
+from aner.errors import ConfigError  # noqa: E402
+from aner.kernels import nf4 as K  # noqa: E402
+from aner.quant.nf4 import NF4Weight  # noqa: E402
+
+DEV = "cpu" if INTERPRET else "cuda"
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+gpu_only = pytest.mark.skipif(INTERPRET or not torch.cuda.is_available(), reason="GPU only (too slow interpreted)")
+
+if INTERPRET:
+    # The interpreter runs every program in numpy: small shapes only. Its bf16 x bf16 tl.dot is
+    # wrong (numpy has no bf16), so BF16 matmuls are checked on the GPU only.
+    SHAPES = [(64, 100), (1, 64), (3, 130), (130, 192)]
+    TOKENS = [1, 7, 128]
+    DTYPES = [torch.float32, torch.float16]
+else:
+    SHAPES = [(1823, 781), (49152, 576), (576, 576), (64, 100), (1, 64), (3, 130)]
+    TOKENS = [1, 7, 128, 1000]
+    DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+@functools.lru_cache(maxsize=None)
+def packed(shape, double_quant):
+    """(NF4Weight, DevicePacked, dequantized float64 W on DEV); fresh random weights each run."""
+    w = NF4Weight.quantize(torch.randn(*shape) * 0.02, double_quant=double_quant)
+    return w, K.DevicePacked.from_weight(w, DEV), w.dequantize().to(DEV, torch.float64)
+
+
+def randn(*shape, dtype):
+    return torch.randn(*shape, device=DEV).to(dtype)
+
+
+def poison(*shape, dtype):
+    """Leave a NaN-filled block in the caching allocator, so the next output the launcher
+    allocates of this size starts as NaN rather than as an earlier correct result."""
+    t = torch.full(shape, float("nan"), device=DEV, dtype=dtype)
+    del t
+
+
+def check_close(got, want64, scale64, dtype, a):
+    """|got - want| <= TOL * scale, plus for FP16 the underflow of its subnormal range: half a
+    subnormal step (2^-25) for the output and for each weight times |a_k| (a: the left operand)."""
+    assert got.dtype == dtype and got.shape == want64.shape
+    assert torch.isfinite(got).all()
+    err = (got.double() - want64).abs()
+    floor = 2.0 ** -25 * (1 + a.double().abs().sum(1, keepdim=True)) if dtype == torch.float16 else 0
+    bound = TOL[dtype] * scale64 + floor + 1e-30
+    assert (err <= bound).all(), f"max rel err {(err / bound).max().item() * TOL[dtype]:.3g} > {TOL[dtype]}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("double_quant", [False, True], ids=["plain", "dq"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("M", TOKENS)
+def test_forward_and_input_grad(M, shape, double_quant, dtype):
+    N, Kin = shape
+    _, p, W = packed(shape, double_quant)
+    x = randn(2, M, Kin, dtype=dtype)[1]                 # (M, K): a view into fresh data
+    g = randn(M, N, dtype=dtype)
+    xa, ga = x.double().abs(), g.double().abs()
+
+    poison(M, N, dtype=dtype)
+    check_close(K.nf4_matmul(x.contiguous(), p), x.double() @ W.t(), xa @ W.abs().t(), dtype, x)
+    poison(M, Kin, dtype=dtype)
+    check_close(K.nf4_matmul_t(g, p), g.double() @ W, ga @ W.abs(), dtype, g)
+
+    # Through autograd, with a leading batch dimension: forward = nf4_matmul, backward = _t.
+    x3 = x.reshape(1, M, Kin).clone().requires_grad_(True)
+    y = K.fused_nf4_linear(x3, p)
+    assert y.shape == (1, M, N) and y.dtype == dtype
+    y.backward(g.reshape(1, M, N))
+    check_close(y.detach()[0], x.double() @ W.t(), xa @ W.abs().t(), dtype, x)
+    check_close(x3.grad[0], g.double() @ W, ga @ W.abs(), dtype, g)
+
+
+# Every launcher option the benchmark may pick: split-K, the select-tree LUT, swapped operands,
+# BK below 64 (general decode on a K % 64 == 0 weight) and odd tile shapes.
+CONFIGS = [
+    K.TileConfig(bm=16, bn=32, bk=64, split=2, lut=1),
+    K.TileConfig(bm=32, bn=64, bk=64, split=3, lut=0, swap=True),
+    K.TileConfig(bm=16, bn=16, bk=32, split=1, lut=1, swap=True, group_m=2),
+    K.TileConfig(bm=64, bn=16, bk=128, split=4, num_warps=8, num_stages=2),
+]
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"{c.bm}x{c.bn}x{c.bk}s{c.split}l{c.lut}w{int(c.swap)}")
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(64, 100), (96, 192)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_explicit_configs(config, dtype, shape):
+    N, Kin = shape
+    _, p, W = packed(shape, True)
+    M = 37
+    x, g = randn(M, Kin, dtype=dtype), randn(M, N, dtype=dtype)
+    check_close(K.nf4_matmul(x, p, config=config), x.double() @ W.t(), x.double().abs() @ W.abs().t(), dtype, x)
+    check_close(K.nf4_matmul_t(g, p, config=config), g.double() @ W, g.double().abs() @ W.abs(), dtype, g)
+
+
+@gpu_only
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(1823, 781), (2048, 2048)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_many_tokens(shape, dtype):
+    N, Kin = shape
+    _, p, W = packed(shape, True)
+    x, g = randn(4096, Kin, dtype=dtype), randn(4096, N, dtype=dtype)
+    check_close(K.nf4_matmul(x, p), x.double() @ W.t(), x.double().abs() @ W.abs().t(), dtype, x)
+    check_close(K.nf4_matmul_t(g, p), g.double() @ W, g.double().abs() @ W.abs(), dtype, g)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("M", [7, 40] if INTERPRET else [7, 128, 2048])
+def test_deterministic(M, dtype):
+    """Two calls give bitwise identical results (M=7 takes the split-K path)."""
+    shape = (192, 576) if INTERPRET else (4096, 4096)
+    _, p, _ = packed(shape, True)
+    x, g = randn(M, shape[1], dtype=dtype), randn(M, shape[0], dtype=dtype)
+    assert torch.equal(K.nf4_matmul(x, p), K.nf4_matmul(x, p))
+    assert torch.equal(K.nf4_matmul_t(g, p), K.nf4_matmul_t(g, p))
+
+
+@pytest.mark.parametrize("lut", [0, 1])
+@pytest.mark.parametrize("double_quant", [False, True], ids=["plain", "dq"])
+@pytest.mark.parametrize("shape", [(1823, 781), (64, 100), (3, 130), (49152, 576)] if not INTERPRET
+                         else [(1823, 781), (64, 100), (3, 130)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_embedding_bit_exact(shape, double_quant, lut):
+    w, p, _ = packed(shape, double_quant)
+    N = shape[0]
+    ids = torch.randint(0, N, (3, 5))
+    ids[0, 0], ids[-1, -1] = 0, N - 1
+    poison(15, shape[1], dtype=torch.float32)
+    rows = K.nf4_embedding(p, ids.to(DEV), lut=lut)
+    assert rows.shape == (3, 5, shape[1]) and rows.dtype == torch.float32
+    assert torch.equal(rows.cpu(), w.dequantize_rows(ids))
+
+
+def test_packed_and_errors():
+    w, p, _ = packed((64, 100), True)
+    assert p.shape == (64, 100) and p.double_quant
+    assert p.nbytes() == w.nbytes() + (16 + 256) * 4       # + the two codebooks
+    plain_w, plain, _ = packed((64, 100), False)
+    assert plain.nbytes() == plain_w.nbytes() + (16 + 256) * 4
+    with pytest.raises(ConfigError, match="NF4Weight"):
+        K.DevicePacked.from_weight(torch.zeros(4, 4), DEV)
+    with pytest.raises(ConfigError, match=r"\(M, 100\)"):
+        K.nf4_matmul(randn(3, 99, dtype=torch.float32), p)
+    with pytest.raises(ConfigError, match="float32, float16 or bfloat16"):
+        K.nf4_matmul(torch.zeros(3, 100, dtype=torch.float64, device=DEV), p)
+    with pytest.raises(ConfigError, match="contiguous"):
+        K.nf4_matmul_t(randn(64, 3, dtype=torch.float32).t(), p)
+    with pytest.raises(ConfigError, match="in_features=100"):
+        K.fused_nf4_linear(randn(2, 3, 99, dtype=torch.float32), p)
+    with pytest.raises(ConfigError, match="outside 0 .. 63"):
+        K.nf4_embedding(p, torch.tensor([0, 64], device=DEV))
+    with pytest.raises(ConfigError, match="integer"):
+        K.nf4_embedding(p, torch.zeros(2, device=DEV))
+    with pytest.raises(ConfigError, match="power of two"):
+        K.nf4_matmul(randn(3, 100, dtype=torch.float32), p, config=K.TileConfig(bm=16, bn=24, bk=64))
+
+
+def test_fused_available_matches_device():
+    from aner.kernels import fused_available
+    assert fused_available() == torch.cuda.is_available()
