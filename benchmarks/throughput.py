@@ -45,6 +45,9 @@ MODELS = {
     "llama-3.2-1b": (16, 2048, 32, 8, 8192, 128256, True, 500000.0),
     "llama-3.1-8b": (32, 4096, 32, 8, 14336, 128256, False, 500000.0),
 }
+# The 8B model's activations for 8 x 1024 positions exceed the largest admission budget (64 GiB),
+# so it takes the same 8 sequences per update as two micro-batches of 4.
+MICRO_BATCH = {"llama-3.1-8b": 4}
 DEFAULT = ["smollm2-135m:full", "smollm2-135m:lora", "smollm2-135m:qlora",
            "llama-3.2-1b:full", "llama-3.2-1b:lora", "llama-3.2-1b:qlora", "llama-3.1-8b:qlora"]
 
@@ -97,7 +100,8 @@ def ours(model: str, method: str, steps=10, warmup=3) -> dict:
     gc.collect()
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
-    kw = dict(micro_batch=BATCH, rate=1e-4, seed=0)
+    micro = MICRO_BATCH.get(model, BATCH)
+    kw = dict(micro_batch=micro, accumulation=BATCH // micro, rate=1e-4, seed=0)
     m = src.fine_tune(tr, va, steps=warmup, **kw)
     times = []
 
@@ -114,7 +118,7 @@ def ours(model: str, method: str, steps=10, warmup=3) -> dict:
               "tokens_per_s": steps * BATCH * SEQ / sum(step_seconds),
               "peak_bytes": torch.cuda.max_memory_allocated(), "step_seconds": step_seconds,
               "losses": losses, "finite": all(map(lambda x: x == x and abs(x) < float("inf"), losses)),
-              "loss_fell": losses[-1] < losses[0], "parameters": m.parameters(),
+              "loss_fell": losses[-1] < losses[0], "parameters": m.parameters(), "micro_batch": micro,
               "trainable_parameters": m.trainable_parameters(), "training_profile": m.training_profile()}
     del m, src
     gc.collect()
@@ -139,7 +143,8 @@ def profile(combo: str):
     src = select(base, method)
     if method != "qlora":
         src = src.with_training_profile(precision="bfloat16")
-    m = src.fine_tune(tr, va, steps=2, micro_batch=BATCH)
+    micro = MICRO_BATCH.get(model, BATCH)
+    m = src.fine_tune(tr, va, steps=2, micro_batch=micro, accumulation=BATCH // micro)
     acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=acts) as prof:
         m = m.resume(tr, va, steps=2)

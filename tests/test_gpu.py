@@ -114,7 +114,7 @@ def test_cuda_fp32_agrees_with_cpu(tiny_path):
 @pytest.mark.parametrize("precision,bound", [("float16", 0.05), ("bfloat16", 0.05)])
 def test_mixed_precision_logits_within_bound(tiny_path, data, precision, bound):
     """The same weights evaluated under the low-precision policy stay within the seed's bound."""
-    from aner.train.loop import summed_loss
+    from aner.train.loss import summed_loss
     from aner.train.profile import Profile
     tr, _ = data
     m = gen.import_model(tiny_path, device=DEV)

@@ -323,3 +323,34 @@ def test_clipping_uses_the_float64_global_norm():
     assert clip_by_global_norm(grads, 1.0) == pytest.approx(want, rel=1e-12)
     clipped = float(torch.cat([g.double().flatten() for g in grads.values()]).norm())
     assert clipped == pytest.approx(1.0, rel=1e-5)
+
+
+def test_chunked_head_loss_equals_whole_logits(base, data, monkeypatch):
+    """The loss and every gradient (tied head and embedding included) agree with autograd over
+    the whole micro-batch's logits, with chunks of 7 positions."""
+    import torch.nn.functional as F
+    from aner.model.build import build
+    from aner.train import loss as L
+    from aner.train.profile import Profile
+    tr, _ = data
+    weights = {n: w.detach().clone().requires_grad_(True) for n, w in base._weights.items()}
+    model = build(base.config(), weights)
+    examples = list(tr.items[:3])
+    monkeypatch.setattr(L, "CHUNK_BYTES", 4 * base.config().vocab_size * 7)
+    assert L.chunk_positions(base.config().vocab_size) == 7
+    objective, loss = L.training_loss(model, examples, "cpu", Profile(), 0.125)
+    objective.backward()
+    got = {n: w.grad.clone() for n, w in weights.items()}
+    for w in weights.values():
+        w.grad = None
+    inputs, targets = L.batch(examples, "cpu")
+    whole = F.cross_entropy(model(inputs).flatten(0, 1), targets.flatten(), ignore_index=L.IGNORE, reduction="sum")
+    (whole * 0.125).backward()
+    whole = float(whole.detach())
+    assert float(loss) == pytest.approx(whole, rel=1e-6) and float(objective.detach()) == float(loss) * 0.125
+    assert float(L.summed_loss(model, examples, "cpu", Profile())) == pytest.approx(whole, rel=1e-6)
+    assert inputs.shape[0] * inputs.shape[1] > 10 * 7           # many chunks, padding included
+    for n, w in weights.items():
+        # the head's weight gradient sums over positions chunk by chunk: another FP32 order
+        torch.testing.assert_close(got[n], w.grad, rtol=1e-5, atol=1e-5 * float(w.grad.abs().max()), msg=n)
+        assert got[n].abs().max() > 0, n

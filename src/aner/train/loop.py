@@ -16,10 +16,10 @@ import time
 from dataclasses import dataclass, field, replace
 
 import torch
-import torch.nn.functional as F
 
 from ..adapters.base import seeded
 from ..errors import ConfigError, DataError
+from .loss import summed_loss, training_loss
 from .optim import AdamW, all_finite, clip_by_global_norm
 from .profile import Profile
 from .scaler import LossScale
@@ -27,8 +27,7 @@ from .scaler import LossScale
 MAX_STEPS = 1_000_000
 MAX_MICRO_BATCH = 4096
 MAX_ACCUMULATION = 4096
-EVAL_TOKENS = 2048      # padded positions per evaluation batch (bounds its logits)
-IGNORE = -100           # target index of unscored positions
+EVAL_TOKENS = 2048      # padded positions per evaluation batch
 
 
 @dataclass(frozen=True)
@@ -89,31 +88,6 @@ def window(state: TrainState, n: int) -> list[int]:
     return order(state.run.seed, epoch, n)[pos:pos + size]
 
 
-def batch(examples, device):
-    """Right-padded tokens, next-token targets and the scored mask. Each (B, T-1)."""
-    T = max(len(e.tokens) for e in examples)
-    tokens = torch.zeros(len(examples), T, dtype=torch.long)
-    mask = torch.zeros(len(examples), T, dtype=torch.bool)
-    for i, e in enumerate(examples):
-        tokens[i, :len(e.tokens)] = torch.tensor(e.tokens)
-        mask[i, e.prompt_len:len(e.tokens)] = True
-    # position t predicts token t+1; causal attention keeps padding (at the end) out of real positions
-    return tokens[:, :-1].to(device), tokens[:, 1:].to(device), mask[:, 1:].to(device)
-
-
-def summed_loss(model, examples, device, profile=Profile()) -> torch.Tensor:
-    """Sum of FP32 cross-entropy over the scored tokens of `examples`.
-
-    Unscored positions get the ignore index rather than being gathered out, so the loss needs no
-    host synchronisation and no copy of the logits; their terms and gradients are exactly zero.
-    """
-    inputs, targets, mask = batch(examples, device)
-    with profile.autocast(device):
-        logits = model(inputs)                               # (B, T-1, V), FP32 out of the head
-    targets = targets.masked_fill(~mask, IGNORE)
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE, reduction="sum")
-
-
 def eval_batches(items, tokens: int = EVAL_TOKENS):
     """Consecutive runs of examples padded to at most `tokens` positions each (at least one
     example): a pure function of the data, so a validation loss never depends on the run."""
@@ -167,14 +141,16 @@ def run(model, params: dict, trainable: dict, method, training, validation, stat
             for t in trainable.values():
                 t.grad = None
             window_loss = 0.0
+            # FP16: the gradient of the loss-scaled sum; otherwise of the sum / the window's tokens.
+            grad_scale = scale.scale if fp16 else 1.0 / window_tokens
             for start in range(0, len(examples), state.run.micro_batch):
-                loss = summed_loss(model, examples[start:start + state.run.micro_batch], device, profile)
+                micro = examples[start:start + state.run.micro_batch]
+                objective, loss = training_loss(model, micro, device, profile, grad_scale)
                 if not torch.isfinite(loss):
                     raise DataError(f"the training loss became non-finite ({float(loss)}) at update "
                                     f"{state.updates + 1}; lower the rate")
-                # FP16: scale the summed loss; otherwise divide by the window's scored tokens now.
-                (loss * scale.scale if fp16 else loss / window_tokens).backward()
-                window_loss += float(loss.detach())
+                objective.backward()
+                window_loss += float(loss)
             grads = {name: t.grad for name, t in trainable.items()}
             if not fp16:
                 break

@@ -67,11 +67,13 @@ def activation_bytes(config, micro_batch: int, tokens: int, device: str = "cpu")
 
     Per layer: ~10 width-sized tensors (norms, q/k/v, attention output, residuals), 4 feed-forward
     sized (gate, up, activation, product) and, on the CPU, the attention probabilities (H x T x T);
-    CUDA's fused attention kernels keep one log-sum-exp per row and head instead. Plus the logits
-    and their gradient over the vocabulary.
+    CUDA's fused attention kernels keep one log-sum-exp per row and head instead. Plus one chunk
+    of logits over the vocabulary with its softmax and gradient (train/loss.py), and the hidden
+    states' gradient the chunked loss keeps.
     """
+    from .loss import chunk_positions
     c = config
     attention = c.n_head * tokens if device == "cpu" else c.n_head
     per_layer = tokens * (10 * c.dim + 4 * c.ffn_dim + attention)
-    logits = 3 * tokens * c.vocab_size
-    return 4 * micro_batch * (c.n_layer * per_layer + logits)
+    logits = 3 * min(micro_batch * tokens, chunk_positions(c.vocab_size)) * c.vocab_size
+    return 4 * (micro_batch * (c.n_layer * per_layer + tokens * c.dim) + logits)
