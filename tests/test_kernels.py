@@ -116,6 +116,40 @@ def test_explicit_configs(config, dtype, shape):
     check_close(K.nf4_matmul_t(g, p, config=config), g.double() @ W, g.double().abs() @ W.abs(), dtype, g)
 
 
+# The faster benchmark variants (256-token tiles and/or the decoded weight as MMA operand A),
+# paired as (forward, input gradient), on tiles that are partial along every dimension: the
+# token count is not a multiple of bm, N not of bn, K not of bk; split 2 adds a fully masked
+# last step where the step count is odd. Explicit configs: default_config() does not pick them.
+FAST_PAIRS = [
+    (K.TileConfig(256, 128, 64, num_warps=8, num_stages=3, swap=True),
+     K.TileConfig(256, 64, 128, num_warps=8, num_stages=3, swap=True)),
+    (K.TileConfig(256, 128, 64, num_warps=8, num_stages=3),
+     K.TileConfig(256, 64, 128, num_warps=8, num_stages=3)),
+    (K.TileConfig(128, 128, 64, num_warps=8, num_stages=3, swap=True),
+     K.TileConfig(128, 64, 128, num_warps=8, num_stages=3, swap=True)),
+    (K.TileConfig(256, 128, 64, split=2, num_warps=8, num_stages=3, swap=True),
+     K.TileConfig(256, 64, 128, split=2, num_warps=8, num_stages=3, swap=True)),
+]
+if INTERPRET:
+    PARTIAL = [((130, 192), 300), ((64, 100), 7)]      # K % 64 == 0 (fast decode) and general
+else:
+    PARTIAL = [((576, 576), 1000), ((1823, 781), 1000), ((1823, 781), 7), ((3, 130), 1000)]
+
+
+@pytest.mark.parametrize("pair", FAST_PAIRS, ids=lambda p: f"{p[0].bm}s{p[0].split}w{int(p[0].swap)}")
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("double_quant", [False, True], ids=["plain", "dq"])
+@pytest.mark.parametrize("shape_m", PARTIAL, ids=lambda s: f"{s[0][0]}x{s[0][1]}-M{s[1]}")
+def test_fast_variants_partial_tiles(shape_m, double_quant, dtype, pair):
+    (N, Kin), M = shape_m
+    _, p, W = packed((N, Kin), double_quant)
+    x, g = randn(M, Kin, dtype=dtype), randn(M, N, dtype=dtype)
+    poison(M, N, dtype=dtype)
+    check_close(K.nf4_matmul(x, p, config=pair[0]), x.double() @ W.t(), x.double().abs() @ W.abs().t(), dtype, x)
+    poison(M, Kin, dtype=dtype)
+    check_close(K.nf4_matmul_t(g, p, config=pair[1]), g.double() @ W, g.double().abs() @ W.abs(), dtype, g)
+
+
 @gpu_only
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", [(1823, 781), (2048, 2048)], ids=lambda s: f"{s[0]}x{s[1]}")

@@ -121,7 +121,8 @@ def _nf4_value(nib, nf4cb, LUT: tl.constexpr):
 
 @triton.jit
 def _block_absmax(blk, mask, absmax, acodes, ascales, aoffset, dyncb, DQ: tl.constexpr):
-    """FP32 absmax of NF4 blocks `blk` (masked lanes give 0)."""
+    """FP32 absmax of NF4 blocks `blk`. Masked lanes give 0, or with DQ the (finite) offset;
+    the callers only pair such lanes with zero operands or masked outputs."""
     if DQ:
         code = tl.load(acodes + blk, mask=mask, other=0).to(tl.int32)
         scale = tl.load(ascales + (blk >> 8), mask=mask, other=0.0)
@@ -135,7 +136,8 @@ def _block_absmax(blk, mask, absmax, acodes, ascales, aoffset, dyncb, DQ: tl.con
 def _decode_any(codes, absmax, acodes, ascales, aoffset, nf4cb, dyncb, rows, row_mask, cols, K,
                 DQ: tl.constexpr, LUT: tl.constexpr):
     """(R,) rows x (C,) cols -> (R, C) FP32 tile, general flat-index decode (any K, blocks that
-    straddle rows, partial last block). Masked elements decode to (+/-)0."""
+    straddle rows, partial last block). Masked elements decode to a finite value: (+/-)0, or
+    -absmax_offset with DQ."""
     flat = rows.to(tl.int64)[:, None] * K + cols[None, :]              # (R, C) flat element ids
     mask = row_mask[:, None] & (cols < K)[None, :]
     byte = tl.load(codes + (flat >> 1), mask=mask, other=0)
@@ -281,9 +283,13 @@ def _sum_splits_kernel(part, out, numel, SPLIT: tl.constexpr, BLOCK: tl.constexp
     """out = sum over s = 0, 1, .. SPLIT - 1 of part[s] (FP32, always in that order), cast."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < numel
-    acc = tl.load(part + offs, mask=mask, other=0.0)
+    ptr = part + offs
+    acc = tl.load(ptr, mask=mask, other=0.0)
     for s in tl.static_range(1, SPLIT):
-        acc += tl.load(part + s * numel + offs, mask=mask, other=0.0)
+        # Step the pointer by numel per part: `s * numel` would be an int32 product, which
+        # wraps once split * M * out_cols reaches 2^31 (an explicit config with a large split).
+        ptr += numel
+        acc += tl.load(ptr, mask=mask, other=0.0)
     tl.store(out + offs, acc.to(out.dtype.element_ty), mask=mask)
 
 
