@@ -354,3 +354,13 @@ def test_chunked_head_loss_equals_whole_logits(base, data, monkeypatch):
         # the head's weight gradient sums over positions chunk by chunk: another FP32 order
         torch.testing.assert_close(got[n], w.grad, rtol=1e-5, atol=1e-5 * float(w.grad.abs().max()), msg=n)
         assert got[n].abs().max() > 0, n
+
+
+def test_all_finite_finds_any_non_finite_element():
+    from aner.train.optim import all_finite
+    grads = {"a": torch.randn(5), "b": torch.randn(30, 7) * 3e37}   # huge but finite: no false alarm
+    assert all_finite(grads)
+    for bad in (float("inf"), float("-inf"), float("nan")):
+        g = {k: v.clone() for k, v in grads.items()}
+        g["b"][np.random.default_rng().integers(30), 3] = bad
+        assert not all_finite(g)

@@ -50,19 +50,27 @@ class RMSNorm(nn.Module):
 
 
 def rope_tables(config: LlamaConfig, T: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin of pos * base^(-2i/E), computed in float64 and rounded once to FP32. (T, E/2) each."""
+    """cos and signed sin of pos * base^(-2i/E), computed in float64 and rounded once to FP32, laid
+    out per element of a head: cos (c0, c0, c1, c1, ...), sin (-s0, s0, -s1, s1, ...). (T, E) each."""
     E = config.head_dim
     inv = config.rope_base ** (-torch.arange(0, E, 2, dtype=torch.float64) / E)
-    angles = torch.arange(T, dtype=torch.float64)[:, None] * inv[None, :]
-    return angles.cos().float().to(device), angles.sin().float().to(device)
+    angles = torch.arange(T, dtype=torch.float64)[:, None] * inv[None, :]   # (T, E/2)
+    cos, sin = angles.cos().float(), angles.sin().float()
+    cos = cos.repeat_interleave(2, dim=-1)                                   # (T, E)
+    sin = torch.stack((-sin, sin), dim=-1).flatten(-2)                       # (T, E)
+    return cos.to(device), sin.to(device)
 
 
 def apply_rope(x, cos, sin):
-    """Rotate adjacent pairs of the last dimension. x: (B, n, T, E); cos/sin: (T, E/2)."""
+    """Rotate adjacent pairs of the last dimension. x: (B, n, T, E); cos/sin: (T, E) from rope_tables.
+
+    out[2i] = x[2i] c - x[2i+1] s and out[2i+1] = x[2i+1] c + x[2i] s, written as
+    x * cos + swap_pairs(x) * sin: the same two products and one sum per element (a + (-b) is
+    a - b exactly), so the bits equal the pairwise form, in three elementwise kernels and a flip.
+    """
     x = x.float()
-    x1, x2 = x[..., 0::2], x[..., 1::2]                      # (B, n, T, E/2)
-    out = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)  # (B, n, T, E/2, 2)
-    return out.flatten(-2)                                    # (B, n, T, E)
+    swapped = x.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)                 # (x1, x0, x3, x2, ...)
+    return x * cos + swapped * sin
 
 
 class Block(nn.Module):
@@ -83,12 +91,14 @@ class Block(nn.Module):
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
                                            enable_gqa=c.n_kv_head != c.n_head)  # (B, H, T, E)
         y = y.transpose(1, 2).reshape(B, T, c.dim)                               # (B, T, D)
-        return self.attn_output(y).float()
+        return self.attn_output(y)
 
     def mlp(self, x):
-        return self.ffn_down(F.silu(self.ffn_gate(x)) * self.ffn_up(x)).float()
+        return self.ffn_down(F.silu(self.ffn_gate(x)) * self.ffn_up(x))
 
     def forward(self, x, cos, sin):
+        # The residual stream is FP32: adding a FP16/BF16 projection output promotes it exactly
+        # inside the add (the same bits as converting it first, one kernel fewer).
         x = x + self.attention(self.attn_norm(x), cos, sin)
         return x + self.mlp(self.ffn_norm(x))
 
