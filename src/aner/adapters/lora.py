@@ -34,8 +34,11 @@ class LoRALinear(nn.Module):
     def forward(self, x):
         y = self.base(x)
         with full_precision(x):
-            delta = (x.to(self.lora_a.dtype) @ self.lora_a.t()) @ self.lora_b.t()  # (..., r) then (..., out)
-        return y + (self.scale * delta).to(y.dtype)
+            # The scale multiplies B (out x r), not the (..., out) product: the same value up to
+            # rounding (exactly the same bits when s is a power of two, as alpha = 2r is), without
+            # a pass over the output in forward and backward.
+            delta = (x.to(self.lora_a.dtype) @ self.lora_a.t()) @ (self.scale * self.lora_b).t()  # (..., r) then (..., out)
+        return y + delta.to(y.dtype)
 
 
 class LoRA(Method):
