@@ -17,6 +17,7 @@ sides and their ratios.
 import argparse
 import gc
 import json
+import math
 import os
 import platform
 import subprocess
@@ -78,8 +79,9 @@ def data(vocab: int):
 
 
 def select(base, method):
+    """The method on `base` under the BF16 policy (QLoRA with the fused kernels)."""
     if method == "full":
-        return base
+        return base.with_training_profile(precision="bfloat16")
     if method == "qlora":
         from aner.kernels import fused_available
         if not fused_available():
@@ -87,15 +89,13 @@ def select(base, method):
         base = base.nf4(double_quant=True)
         return base.lora(targets=TARGETS, rank=16, alpha=32.0).with_training_profile(
             precision="bfloat16", nf4_kernel="fused")
-    return base.lora(targets=TARGETS, rank=16, alpha=32.0)
+    return base.lora(targets=TARGETS, rank=16, alpha=32.0).with_training_profile(precision="bfloat16")
 
 
 def ours(model: str, method: str, steps=10, warmup=3) -> dict:
     base = random_model(model)
     tr, va = data(base.config().vocab_size)
     src = select(base, method)
-    if method != "qlora":
-        src = src.with_training_profile(precision="bfloat16")
     del base
     gc.collect()
     torch.cuda.synchronize()
@@ -117,7 +117,7 @@ def ours(model: str, method: str, steps=10, warmup=3) -> dict:
     result = {"side": "ours", "model": model, "method": method,
               "tokens_per_s": steps * BATCH * SEQ / sum(step_seconds),
               "peak_bytes": torch.cuda.max_memory_allocated(), "step_seconds": step_seconds,
-              "losses": losses, "finite": all(map(lambda x: x == x and abs(x) < float("inf"), losses)),
+              "losses": losses, "finite": all(map(math.isfinite, losses)),
               "loss_fell": losses[-1] < losses[0], "parameters": m.parameters(), "micro_batch": micro,
               "trainable_parameters": m.trainable_parameters(), "training_profile": m.training_profile()}
     del m, src
@@ -141,8 +141,6 @@ def profile(combo: str):
     base = random_model(model)
     tr, va = data(base.config().vocab_size)
     src = select(base, method)
-    if method != "qlora":
-        src = src.with_training_profile(precision="bfloat16")
     micro = MICRO_BATCH.get(model, BATCH)
     m = src.fine_tune(tr, va, steps=2, micro_batch=micro, accumulation=BATCH // micro)
     acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]

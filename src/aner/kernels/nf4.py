@@ -300,10 +300,8 @@ def _nf4_rows_kernel(ids, out, codes, absmax, acodes, ascales, aoffset, nf4cb, d
     offs_i = tl.program_id(0) * BR + tl.arange(0, BR)
     i_mask = offs_i < n_ids
     rows = tl.load(ids + offs_i, mask=i_mask, other=0)
-    col0 = tl.program_id(1) * BC
-    w = _decode_any(codes, absmax, acodes, ascales, aoffset, nf4cb, dyncb, rows, i_mask,
-                    col0 + tl.arange(0, BC), K, DQ, LUT)
-    cols = col0 + tl.arange(0, BC)
+    cols = tl.program_id(1) * BC + tl.arange(0, BC)
+    w = _decode_any(codes, absmax, acodes, ascales, aoffset, nf4cb, dyncb, rows, i_mask, cols, K, DQ, LUT)
     tl.store(out + offs_i.to(tl.int64)[:, None] * K + cols[None, :], w,
              mask=i_mask[:, None] & (cols < K)[None, :])
 

@@ -36,6 +36,11 @@ def batch(examples, device):
     return tokens[:, :-1].to(device), targets[:, 1:].to(device)
 
 
+def _cross_entropy(head, h, targets) -> torch.Tensor:
+    """Summed FP32 cross-entropy of one chunk: h (chunk, D) -> logits (chunk, V) -> a scalar."""
+    return F.cross_entropy(head(h).float(), targets, ignore_index=IGNORE, reduction="sum")
+
+
 def _trainable(head) -> list[torch.Tensor]:
     """The head's weight when it is being trained (full fine-tuning), else nothing."""
     w = getattr(head, "weight", None)
@@ -52,8 +57,7 @@ def summed_loss(model, examples, device, profile) -> torch.Tensor:
         step = chunk_positions(model.config.vocab_size)
         total = torch.zeros((), device=h.device)
         for s in range(0, h.shape[0], step):
-            logits = head(h[s:s + step]).float()              # (chunk, V)
-            total += F.cross_entropy(logits, targets[s:s + step], ignore_index=IGNORE, reduction="sum")
+            total += _cross_entropy(head, h[s:s + step], targets[s:s + step])
     return total
 
 
@@ -76,8 +80,7 @@ class _HeadLoss(torch.autograd.Function):
         for s in range(0, h.shape[0], step):
             with torch.enable_grad():
                 hc = h[s:s + step].detach().requires_grad_(True)
-                logits = head(hc).float()                     # (chunk, V)
-                loss = F.cross_entropy(logits, targets[s:s + step], ignore_index=IGNORE, reduction="sum")
+                loss = _cross_entropy(head, hc, targets[s:s + step])
                 grads = torch.autograd.grad(loss * grad_scale, [hc, *weights])
             grad_h[s:s + step] = grads[0]
             for acc, g in zip(grad_w, grads[1:]):
