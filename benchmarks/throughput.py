@@ -1,6 +1,6 @@
 """Training throughput on the GPU: this library against the peer, measured in one run.
 
-    CUBLAS_WORKSPACE_CONFIG=:4096:8 python benchmarks/throughput.py OUT.json [model:method ...]
+    CUBLAS_WORKSPACE_CONFIG=:4096:8 python benchmarks/throughput.py OUT.json [model:method[:eager] ...]
     ... --profile model:method      where one update's GPU time goes (no JSON)
 
 Both sides train random-weight models of the real shapes (SmolLM2-135M, Llama-3.2-1B,
@@ -11,8 +11,9 @@ deterministic policy (`CUBLAS_WORKSPACE_CONFIG`, deterministic algorithms, TF32 
 mode. Each side warms up, then times N updates over the same fixed batch of 8 sequences with
 device synchronisation, so "the loss falls" is checkable, and reports tokens/s (8 x 1024 input
 positions per update, over the sum of the timed updates' seconds) and the Torch allocator peak. Methods: full (FP32 masters), lora (FP32
-base), qlora (NF4 double-quantized base, fused kernels when available). The record holds both
-sides and their ratios.
+base), qlora (NF4 double-quantized base, fused kernels when available). Ours records each
+micro-batch shape's kernels as a CUDA graph (profile cuda_graphs=True, the same bits as eager);
+a `:eager` suffix measures the eager loop instead. The record holds both sides and their ratios.
 """
 import argparse
 import gc
@@ -78,42 +79,43 @@ def data(vocab: int):
     return tr, va
 
 
-def select(base, method):
+def select(base, method, graphs=True):
     """The method on `base` under the BF16 policy (QLoRA with the fused kernels)."""
+    profile = dict(precision="bfloat16", cuda_graphs=graphs)
     if method == "full":
-        return base.with_training_profile(precision="bfloat16")
+        return base.with_training_profile(**profile)
     if method == "qlora":
         from aner.kernels import fused_available
         if not fused_available():
             raise RuntimeError("the fused NF4 kernels are not available here (host tiling is not a throughput path)")
         base = base.nf4(double_quant=True)
-        return base.lora(targets=TARGETS, rank=16, alpha=32.0).with_training_profile(
-            precision="bfloat16", nf4_kernel="fused")
-    return base.lora(targets=TARGETS, rank=16, alpha=32.0).with_training_profile(precision="bfloat16")
+        profile["nf4_kernel"] = "fused"
+    return base.lora(targets=TARGETS, rank=16, alpha=32.0).with_training_profile(**profile)
 
 
-def ours(model: str, method: str, steps=10, warmup=3) -> dict:
+def ours(model: str, method: str, graphs=True, steps=10, warmup=3) -> dict:
     base = random_model(model)
     tr, va = data(base.config().vocab_size)
-    src = select(base, method)
+    src = select(base, method, graphs)
     del base
     gc.collect()
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     micro = MICRO_BATCH.get(model, BATCH)
-    kw = dict(micro_batch=micro, accumulation=BATCH // micro, rate=1e-4, seed=0)
-    m = src.fine_tune(tr, va, steps=warmup, **kw)
+    state, _ = src._fine_tune_start(tr, va, warmup + steps, micro, BATCH // micro, 1e-4, 0, 1.0)
     times = []
 
     def tick(state, view):
         torch.cuda.synchronize()
         times.append(time.perf_counter())
 
-    # steps + 1 updates in one call, timed between the ends of the first and the last: the call's
-    # start (private copies of the trainable tensors and moments) stays out of the figure.
-    m = m._train(tr, va, m._state, steps + 1, progress=False, on_update=tick)
+    # One run of warmup + steps updates, timed from the end of the last warm-up update to the end
+    # of the last one: the call's start (private copies of the trainable tensors, the moments,
+    # recording the graph) stays out of the figure, and no second run's copies stay alive.
+    m = src._train(tr, va, state, warmup + steps, progress=False, on_update=tick)
+    times = times[warmup - 1:]
     step_seconds = [b - a for a, b in zip(times[:-1], times[1:])]
-    losses = list(m._state.losses[warmup + 1:])
+    losses = list(m._state.losses[warmup:])
     result = {"side": "ours", "model": model, "method": method,
               "tokens_per_s": steps * BATCH * SEQ / sum(step_seconds),
               "peak_bytes": torch.cuda.max_memory_allocated(), "step_seconds": step_seconds,
@@ -137,10 +139,10 @@ def peer(combos: list[str], out: Path) -> dict:
 
 
 def profile(combo: str):
-    model, method = combo.split(":")
+    model, method, *eager = combo.split(":")
     base = random_model(model)
     tr, va = data(base.config().vocab_size)
-    src = select(base, method)
+    src = select(base, method, graphs=not eager)
     micro = MICRO_BATCH.get(model, BATCH)
     m = src.fine_tune(tr, va, steps=2, micro_batch=micro, accumulation=BATCH // micro)
     acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
@@ -170,17 +172,18 @@ def main():
               "setup": {"batch": BATCH, "sequence": SEQ, "lora_rank": 16, "lora_alpha": 32,
                         "targets": TARGETS, "precision": "bfloat16", "steps": a.steps},
               "rows": []}
-    peers = {} if a.no_peer else peer(combos, out.with_name(out.stem + "-peer.json"))
+    peer_combos = list(dict.fromkeys(":".join(c.split(":")[:2]) for c in combos))   # in order, once each
+    peers = {} if a.no_peer else peer(peer_combos, out.with_name(out.stem + "-peer.json"))
     for combo in combos:
-        model, method = combo.split(":")
+        model, method, *eager = combo.split(":")
         try:
-            r = ours(model, method, steps=a.steps)
+            r = ours(model, method, graphs=not eager, steps=a.steps)
         except Exception as e:  # recorded, not hidden
             r = {"side": "ours", "model": model, "method": method, "error": f"{type(e).__name__}: {e}"}
             gc.collect()
             torch.cuda.empty_cache()
-        p = peers.get(combo, {})
-        row = {"model": model, "method": method, "ours": r, "peer": p}
+        p = peers.get(f"{model}:{method}", {})
+        row = {"model": model, "method": method, "cuda_graphs": not eager, "ours": r, "peer": p}
         if "tokens_per_s" in r and "tokens_per_s" in p:
             row["speedup"] = r["tokens_per_s"] / p["tokens_per_s"]
             row["memory_ratio"] = r["peak_bytes"] / p["peak_bytes"]

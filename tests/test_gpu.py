@@ -176,3 +176,44 @@ def test_fused_matches_host_tiled_and_counts_its_copy(tiny_path, data):
     ta = packed.fine_tune(tr, va, steps=2, rate=1e-3)
     tb = fused.fine_tune(tr, va, steps=2, rate=1e-3)
     assert abs(ta.validation_loss() - tb.validation_loss()) <= 1e-4 * abs(ta.validation_loss())
+
+
+@pytest.mark.parametrize("storage,method,kernel,precision", [
+    ("float32", "full", "host_tiled", "float32"), ("float32", "full", "host_tiled", "bfloat16"),
+    ("float32", "lora", "host_tiled", "float16"), ("nf4_double_quant", "lora", "fused", "bfloat16"),
+    ("nf4", "lora_fa", "fused", "float16"), ("nf4", "tinylora", "fused", "float32"),
+    ("float32", "rslora", "host_tiled", "bfloat16")])
+def test_cuda_graphs_replay_the_eager_bits(tiny_path, data, tmp_path, monkeypatch, storage, method, kernel,
+                                           precision):
+    """Recorded graphs give the eager run's bits, with micro-batches of several padded lengths,
+    more shapes than are recorded (the rest run eagerly) and accumulation; resume is exact."""
+    from aner.train import graphs
+    tr, va = data
+    base = gen.import_model(tiny_path, device=DEV)
+    src = select(base, storage, method)
+    kw = dict(micro_batch=2, accumulation=2, rate=1e-3, seed=4)
+    eager = src.with_training_profile(precision=precision, nf4_kernel=kernel).fine_tune(tr, va, steps=4, **kw)
+    replays, shapes = [], []
+    replay, call = torch.cuda.CUDAGraph.replay, graphs.Graphed.__call__
+    monkeypatch.setattr(torch.cuda.CUDAGraph, "replay", lambda g: replays.append(g) or replay(g))
+    monkeypatch.setattr(graphs.Graphed, "__call__",
+                        lambda self, x, y, scale: shapes.append(tuple(x.shape)) or call(self, x, y, scale))
+    monkeypatch.setattr(graphs, "MAX_SHAPES", 3)
+    graphed = src.with_training_profile(precision=precision, nf4_kernel=kernel, cuda_graphs=True)
+    two = graphed.fine_tune(tr, va, steps=2, **kw)
+    four = two.resume(tr, va, steps=2)
+    assert tensors_equal(eager, four) and eager._state.losses == four._state.losses
+    assert eager.validation_loss() == four.validation_loss()
+    # each of the two runs records at most 3 shapes and runs the others eagerly
+    assert 0 < len(set(replays)) <= 2 * 3 and len(set(shapes)) > 3
+    two.checkpoint(tmp_path / "ck")
+    resumed = gen.load_pretrained_checkpoint(tmp_path / "ck", device=DEV).resume(tr, va, steps=2)
+    assert resumed.training_profile()["cuda_graphs"] and tensors_equal(four, resumed)
+
+
+def test_cuda_graphs_refuse_host_tiles(tiny_path):
+    m = gen.import_model(tiny_path, device=DEV)
+    with pytest.raises(ConfigError, match="cannot record nf4_kernel='host_tiled'"):
+        m.nf4().with_training_profile(cuda_graphs=True)
+    with pytest.raises(ConfigError, match="cannot record nf4_kernel='host_tiled'"):
+        m.with_training_profile(cuda_graphs=True).nf4()

@@ -119,7 +119,8 @@ def test_explicit_configs(config, dtype, shape):
 # The faster benchmark variants (256-token tiles and/or the decoded weight as MMA operand A),
 # paired as (forward, input gradient), on tiles that are partial along every dimension: the
 # token count is not a multiple of bm, N not of bn, K not of bk; split 2 adds a fully masked
-# last step where the step count is odd. Explicit configs: default_config() does not pick them.
+# last step where the step count is odd. FP16/BF16 only (FP32 tiles of 256 exceed shared memory);
+# Explicit configs: default_config() does not pick them.
 FAST_PAIRS = [
     (K.TileConfig(256, 128, 64, num_warps=8, num_stages=3, swap=True),
      K.TileConfig(256, 64, 128, num_warps=8, num_stages=3, swap=True)),
@@ -137,7 +138,7 @@ else:
 
 
 @pytest.mark.parametrize("pair", FAST_PAIRS, ids=lambda p: f"{p[0].bm}s{p[0].split}w{int(p[0].swap)}")
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("dtype", [d for d in DTYPES if d != torch.float32], ids=str)
 @pytest.mark.parametrize("double_quant", [False, True], ids=["plain", "dq"])
 @pytest.mark.parametrize("shape_m", PARTIAL, ids=lambda s: f"{s[0][0]}x{s[0][1]}-M{s[1]}")
 def test_fast_variants_partial_tiles(shape_m, double_quant, dtype, pair):

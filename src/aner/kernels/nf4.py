@@ -355,9 +355,9 @@ def default_config(op: str, M: int, N: int, K: int, dtype: torch.dtype) -> TileC
         # "ieee" FP32 dots run on the FMA units: small tiles keep registers in check.
         bm, bn, bk, warps, stages, swap = min(64, _pow2_at_least(M, 16)), 64, 64, 4, 2, False
     else:
-        # Verified on the H200 over the whole test grid. Faster measured variants (256-token
-        # tiles with swap=True: x3.5 of dense instead of x7 at M=2048) gave wrong values on
-        # partial tiles (576x576 weight, M=1000) in one run, so they are not the default yet.
+        # Verified on the H200 over the whole test grid and in training. 256-token tiles with the
+        # decoded weight as MMA operand A (x3.5 of dense instead of x7 at M=2048) pass the partial-
+        # tile tests but gave a non-finite loss in QLoRA training at 8 x 1024 tokens: not the default.
         bm = 128 if M >= 128 else _pow2_at_least(M, 16)
         warps, stages, swap = (8 if bm >= 128 else 4), 3, False
         bn, bk = (128 if M >= 128 else 64, 64) if op == "matmul" else (64, 128)
@@ -435,7 +435,9 @@ def nf4_matmul_t(g2d: torch.Tensor, packed: DevicePacked, config: TileConfig | N
 def nf4_embedding(packed: DevicePacked, ids: torch.Tensor, lut: int = 0) -> torch.Tensor:
     """ids (...) integer rows -> (..., K) float32, equal bit for bit to NF4Weight.dequantize_rows.
 
-    Out-of-range ids raise ConfigError; checking them costs one device-to-host read.
+    Out-of-range ids raise ConfigError; checking them costs one device-to-host read, which a CUDA
+    graph recording cannot contain, so replays do not check (training tokens come from data
+    prepared with the model's own tokenizer, which the fine-tuning call verifies).
     """
     _check_packed(packed)
     N, K = packed.shape
@@ -449,10 +451,11 @@ def nf4_embedding(packed: DevicePacked, ids: torch.Tensor, lut: int = 0) -> torc
     flat = ids.reshape(-1).to(torch.int64).contiguous()                 # (n_ids,)
     out = torch.empty(flat.numel(), K, device=ids.device, dtype=torch.float32)
     if flat.numel():
-        lo, hi = torch.aminmax(flat)
-        lo, hi = int(lo), int(hi)
-        if lo < 0 or hi >= N:
-            raise ConfigError(f"ids span {lo} .. {hi}, outside 0 .. {N - 1} of a {packed.shape} weight")
+        if flat.device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
+            lo, hi = torch.aminmax(flat)
+            lo, hi = int(lo), int(hi)
+            if lo < 0 or hi >= N:
+                raise ConfigError(f"ids span {lo} .. {hi}, outside 0 .. {N - 1} of a {packed.shape} weight")
         br, bc = 4, min(1024, _pow2_at_least(K, 16))
         grid = (-(-flat.numel() // br), -(-K // bc))
         _nf4_rows_kernel[grid](flat, out, *packed._args(), flat.numel(), K, BR=br, BC=bc,

@@ -210,12 +210,12 @@ class PretrainedModel:
                             adapter_tensors={n: t.to(device) for n, t in self._adapter_tensors.items()})
 
     def with_training_profile(self, precision="float32", optimizer="adamw", nf4_kernel="host_tiled",
-                              page_bytes=2097152) -> "PretrainedModel":
+                              page_bytes=2097152, cuda_graphs=False) -> "PretrainedModel":
         """Select the numerical profile of training; only an untrained model can change it."""
         if self._state is not None:
             raise ConfigError("changing the training profile of a trained model is refused: exact resume "
                               f"keeps the recorded profile {self._profile.as_dict()}")
-        profile = Profile(precision, optimizer, nf4_kernel, page_bytes)
+        profile = Profile(precision, optimizer, nf4_kernel, page_bytes, cuda_graphs)
         profile.check_placement(self._device, self._storage)
         return self._derive(profile=profile)
 
@@ -276,6 +276,7 @@ class PretrainedModel:
         if self._storage != "float32":
             raise ConfigError(f"nf4 conversion is refused: this base is already {self._storage}; "
                               "convert the floating base it came from")
+        self._profile.check_placement(self._device, storage_name(double_quant))
         shapes = self._shapes().values()
         owned = self.memory_summary().weight_bytes + sum(stored_nbytes(s, double_quant) for s in shapes)
         admit("nf4 conversion (packed weights beside this model's FP32 weights, plus packing workspace)",
@@ -338,7 +339,9 @@ class PretrainedModel:
 
     def _admit_training(self, micro_batch: int, context: int) -> None:
         m = self.memory_summary()
-        grads_and_moments = 3 * m.trainable_bytes
+        # two gradient sets (a micro-batch's and the window's sum, or a CUDA graph's shared
+        # buffers) and the two moments
+        grads_and_moments = 4 * m.trainable_bytes
         needed = m.weight_bytes + m.adapter_bytes + m.frozen_adapter_bytes + grads_and_moments \
             + activation_bytes(self._source.config, micro_batch, context, self._device) + m.dequant_tile_bytes \
             + m.gpu_packed_base_bytes

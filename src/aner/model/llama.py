@@ -114,6 +114,7 @@ class Llama(nn.Module):
         self.layers = nn.ModuleList(layers)
         self.output_norm = output_norm
         self.output = output  # None when the head is tied to tok_embd
+        self.rope = {}        # (T, device) -> rope_tables: made once, outside any CUDA graph recording
 
     def head(self) -> nn.Module:
         return self.tok_embd if self.output is None else self.output
@@ -122,7 +123,9 @@ class Llama(nn.Module):
         T = tokens.shape[1]
         if T > self.config.context_length:
             raise ValueError(f"sequence of {T} tokens exceeds the context of {self.config.context_length}")
-        cos, sin = rope_tables(self.config, T, tokens.device)
+        if (T, tokens.device) not in self.rope:
+            self.rope[T, tokens.device] = rope_tables(self.config, T, tokens.device)
+        cos, sin = self.rope[T, tokens.device]
         x = self.tok_embd.lookup(tokens).float()  # (B, T, D)
         for layer in self.layers:
             x = layer(x, cos, sin)

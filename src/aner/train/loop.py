@@ -14,12 +14,13 @@ import math
 import sys
 import time
 from dataclasses import dataclass, field, replace
+from functools import partial
 
 import torch
 
 from ..adapters.base import seeded
 from ..errors import ConfigError, DataError
-from .loss import summed_loss, training_loss
+from .loss import batch, gradients, summed_loss
 from .optim import AdamW, all_finite, clip_by_global_norm
 from .profile import Profile
 from .scaler import LossScale
@@ -133,25 +134,33 @@ def run(model, params: dict, trainable: dict, method, training, validation, stat
     n = training.examples()
     bar = _Progress(steps) if (progress if progress is not None else sys.stderr.isatty()) else None
     losses = list(state.losses)
+    step = partial(gradients, model, list(trainable.values()), profile)
+    if profile.cuda_graphs:
+        from .graphs import Graphed
+        step = Graphed(step)
     for _ in range(steps):
         idx = window(state, n)
         examples = [training.items[i] for i in idx]
         window_tokens = sum(e.scored for e in examples)
+        micro_batches = [batch(examples[s:s + state.run.micro_batch], device)
+                         for s in range(0, len(examples), state.run.micro_batch)]
         while True:  # one pass, or FP16 replays of the same window after an overflow
-            for t in trainable.values():
-                t.grad = None
-            window_loss = 0.0
             # FP16: the gradient of the loss-scaled sum; otherwise of the sum / the window's tokens.
-            grad_scale = scale.scale if fp16 else 1.0 / window_tokens
-            for start in range(0, len(examples), state.run.micro_batch):
-                micro = examples[start:start + state.run.micro_batch]
-                objective, loss = training_loss(model, micro, device, profile, grad_scale)
+            grad_scale = torch.tensor(scale.scale if fp16 else 1.0 / window_tokens, device=device)
+            window_loss, total = 0.0, None
+            for inputs, targets in micro_batches:
+                loss, grads = step(inputs, targets, grad_scale)
                 if not torch.isfinite(loss):
                     raise DataError(f"the training loss became non-finite ({float(loss)}) at update "
                                     f"{state.updates + 1}; lower the rate")
-                objective.backward()
                 window_loss += float(loss)
-            grads = {name: t.grad for name, t in trainable.items()}
+                # The first micro-batch's gradients are used as they are when it is the only one
+                # (a recorded graph's outputs are consumed before its next replay); later ones add.
+                if total is None:
+                    total = list(grads) if len(micro_batches) == 1 else [g.clone() for g in grads]
+                else:
+                    torch._foreach_add_(total, grads)
+            grads = dict(zip(trainable, total))
             if not fp16:
                 break
             if all_finite(grads):
@@ -173,8 +182,6 @@ def run(model, params: dict, trainable: dict, method, training, validation, stat
             bar.update(losses[-1], window_tokens)
         if on_update is not None and on_update(state) is False:
             break
-    for t in trainable.values():
-        t.grad = None
     if bar:
         bar.close()
     return replace(state, validation_loss=evaluate(model, validation, device, profile))

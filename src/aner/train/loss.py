@@ -3,15 +3,16 @@
 Logits for a whole micro-batch cost positions x V x 4 bytes in FP32, and backward keeps several
 such copies (8 x 1024 positions of a 128,256-token vocabulary: 4.2 GB each). Here at most one
 chunk of logits is alive. Training computes, in its forward, each chunk's logits, its summed
-cross-entropy and the gradient of `grad_scale` x that sum with respect to the chunk's hidden
+cross-entropy and the gradient of `scale` x that sum with respect to the chunk's hidden
 states and the head's trainable weight, and keeps only those gradients; backward hands them on
-times the incoming gradient (exactly 1.0 in the training loop, so they pass unchanged).
+times the incoming gradient (exactly 1.0 in `gradients`, so they pass unchanged).
 
-`grad_scale` is what the loop backpropagates from: 1 / (the window's scored tokens), or the FP16
-loss scale, which therefore reaches the head's low-precision backward as before. Unscored
-positions carry the ignore index: their terms and gradients are exactly zero, with no host
-synchronisation and no gather. Chunk boundaries depend only on the vocabulary size, so results
-are a pure function of the inputs.
+`scale` (a 0-dim FP32 tensor on the device) is what the loop backpropagates from: 1 / (the
+window's scored tokens), or the FP16 loss scale, which therefore reaches the head's
+low-precision backward as before. As a tensor it can change between replays of a recorded CUDA
+graph (`graphs.py`). Unscored positions carry the ignore index: their terms and gradients are
+exactly zero, with no host synchronisation and no gather. Chunk boundaries depend only on the
+vocabulary size, so results are a pure function of the inputs.
 """
 import torch
 import torch.nn.functional as F
@@ -61,19 +62,19 @@ def summed_loss(model, examples, device, profile) -> torch.Tensor:
     return total
 
 
-def training_loss(model, examples, device, profile, grad_scale: float):
-    """(objective, loss): backpropagate from `objective` (= grad_scale x loss); `loss` is the
-    FP32 summed cross-entropy, detached."""
-    inputs, targets = batch(examples, device)
-    with profile.autocast(device):
+def gradients(model, leaves: list, profile, inputs, targets, scale: torch.Tensor):
+    """One micro-batch (inputs, targets) from `batch`: (loss, grads), the FP32 summed cross-entropy
+    (detached) and the gradients of scale x loss with respect to `leaves`, in their order."""
+    with profile.autocast(inputs.device.type):
         h = model.hidden(inputs).flatten(0, 1)                # (N, D), FP32
         head, step = model.head(), chunk_positions(model.config.vocab_size)
-        return _HeadLoss.apply(h, targets.flatten(), head, step, grad_scale, *_trainable(head))
+        objective, loss = _HeadLoss.apply(h, targets.flatten(), head, step, scale, *_trainable(head))
+    return loss, torch.autograd.grad(objective, leaves)
 
 
 class _HeadLoss(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h, targets, head, step, grad_scale, *weights):
+    def forward(ctx, h, targets, head, step, scale, *weights):
         grad_h = torch.empty_like(h)
         grad_w = [torch.zeros_like(w) for w in weights]
         total = torch.zeros((), device=h.device)
@@ -81,14 +82,14 @@ class _HeadLoss(torch.autograd.Function):
             with torch.enable_grad():
                 hc = h[s:s + step].detach().requires_grad_(True)
                 loss = _cross_entropy(head, hc, targets[s:s + step])
-                grads = torch.autograd.grad(loss * grad_scale, [hc, *weights])
+                grads = torch.autograd.grad(loss * scale, [hc, *weights])
             grad_h[s:s + step] = grads[0]
             for acc, g in zip(grad_w, grads[1:]):
                 acc += g                                      # FP32, chunk order
             total += loss.detach()
         ctx.save_for_backward(grad_h, *grad_w)
         ctx.mark_non_differentiable(total)
-        return total * grad_scale, total
+        return total * scale, total
 
     @staticmethod
     @torch.autograd.function.once_differentiable

@@ -4,6 +4,9 @@
     optimizer  adamw | paged_adamw            where the FP32 Adam moments live
     nf4_kernel host_tiled | fused             how a packed NF4 base is decoded
     page_bytes 4 KiB .. 64 MiB, 4096-aligned  the paged optimizer's chunk per moment
+    cuda_graphs false | true                  replay each micro-batch shape's recorded kernels
+                                              (`graphs.py`): the same bits, without the host's
+                                              per-kernel cost; the recording keeps its memory
 
 Mixed precision is an operation policy, not a conversion: master weights, their gradients, the
 Adam moments, RMSNorm, RoPE, softmax and the loss stay FP32; only projection and attention matrix
@@ -29,6 +32,7 @@ class Profile:
     optimizer: str = "adamw"
     nf4_kernel: str = "host_tiled"
     page_bytes: int = DEFAULT_PAGE
+    cuda_graphs: bool = False
 
     def __post_init__(self):
         if self.precision not in PRECISIONS:
@@ -41,6 +45,8 @@ class Profile:
         if isinstance(p, bool) or not isinstance(p, int) or not MIN_PAGE <= p <= MAX_PAGE or p % 4096:
             raise ConfigError(f"page_bytes={p!r} is not accepted; accepted: a multiple of 4096 from "
                               f"{MIN_PAGE} (4 KiB) to {MAX_PAGE} (64 MiB)")
+        if not isinstance(self.cuda_graphs, bool):
+            raise ConfigError(f"cuda_graphs={self.cuda_graphs!r} is not accepted; accepted: true or false")
 
     def check_placement(self, device: str, storage: str) -> None:
         """Refuse combinations this build cannot run; never substitute another."""
@@ -50,6 +56,12 @@ class Profile:
         if device == "cpu" and self.optimizer == "paged_adamw":
             raise ConfigError("optimizer='paged_adamw' pages moments between host and GPU and needs a CUDA "
                               "device; on device='cpu' use optimizer='adamw'")
+        if device == "cpu" and self.cuda_graphs:
+            raise ConfigError("cuda_graphs=True records CUDA graphs and needs a CUDA device; on "
+                              "device='cpu' use cuda_graphs=False")
+        if self.cuda_graphs and storage != "float32" and self.nf4_kernel == "host_tiled":
+            raise ConfigError("cuda_graphs=True cannot record nf4_kernel='host_tiled', which copies host "
+                              "tiles on every call; use nf4_kernel='fused' or cuda_graphs=False")
         if self.nf4_kernel == "fused":
             if device == "cpu":
                 raise ConfigError("nf4_kernel='fused' runs GPU kernels and needs a CUDA device; "

@@ -1,0 +1,59 @@
+"""One micro-batch's forward and backward recorded as a CUDA graph and replayed (profile
+`cuda_graphs=True`).
+
+Eager, a micro-batch issues thousands of small kernels, one Python dispatch each; on a small
+model the GPU waits for the host. A graph records those launches once per micro-batch shape
+(B, T) and replays them with one call: the same kernels with the same arguments in the same
+order, so a replay gives the bits of the eager pass it recorded. Inputs are copied into the
+graph's own tensors before a replay. Outputs: the loss is the graph's tensor, and the gradients
+are copied (exactly) into one set of buffers that every shape shares; both are overwritten by the
+next replay of any recorded shape, so the caller consumes them first.
+
+Recording a shape costs one eager warm-up pass (it compiles kernels and creates library handles
+outside the recording) and the recording itself. Every graph of a run allocates its activations
+and temporaries from one memory pool, reused across shapes because no output outlives a replay;
+the pool and the gradient buffers are released when the run returns. At most MAX_SHAPES shapes
+are recorded; further shapes run eagerly.
+"""
+import torch
+
+MAX_SHAPES = 4
+
+
+class Graphed:
+    """fn(inputs, targets, scale) -> (loss, grads), recorded per shape of `inputs`."""
+
+    def __init__(self, fn):
+        self.fn = fn
+        self.pool = torch.cuda.graph_pool_handle()
+        self.grads = None    # the gradient buffers every recorded shape writes
+        self.recorded = {}   # (B, T) -> (static inputs, targets, scale, graph, loss)
+
+    def __call__(self, inputs, targets, scale):
+        key = tuple(inputs.shape)
+        if key not in self.recorded:
+            if len(self.recorded) == MAX_SHAPES:
+                return self.fn(inputs, targets, scale)
+            self.recorded[key] = self._record(inputs, targets, scale)
+        static_inputs, static_targets, static_scale, graph, loss = self.recorded[key]
+        static_inputs.copy_(inputs)
+        static_targets.copy_(targets)
+        static_scale.copy_(scale)
+        graph.replay()
+        return loss, self.grads
+
+    def _record(self, inputs, targets, scale):
+        static = (inputs.clone(), targets.clone(), scale.clone())
+        side = torch.cuda.Stream(inputs.device)
+        side.wait_stream(torch.cuda.current_stream(inputs.device))
+        with torch.cuda.stream(side):
+            _, grads = self.fn(*static)           # warm-up; its results are dropped
+        torch.cuda.current_stream(inputs.device).wait_stream(side)
+        if self.grads is None:
+            self.grads = [torch.empty_like(g) for g in grads]
+        del grads
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            loss, grads = self.fn(*static)
+            torch._foreach_copy_(self.grads, grads)
+        return (*static, graph, loss)
