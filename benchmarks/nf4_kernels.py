@@ -25,49 +25,56 @@ ROTATE = 3
 TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 1e-5}
 C = K.TileConfig
 
+
+def label(c: K.TileConfig) -> str:
+    """A variant's name, e.g. 256x128x64w8s3-split2-gather-swap."""
+    return (f"{c.bm}x{c.bn}x{c.bk}w{c.num_warps}s{c.num_stages}" + (f"-split{c.split}" if c.split > 1 else "")
+            + ("-gather" if c.lut == 0 else "") + ("-swap" if c.swap else ""))
+
+
 # Tile variants per (op, regime); "default" is added from default_config().
 VARIANTS = {
-    ("matmul", "big"): {
-        "128x128x64w8s3": C(128, 128, 64, num_warps=8, num_stages=3),
-        "128x128x64w8s3-gather": C(128, 128, 64, num_warps=8, num_stages=3, lut=0),
-        "128x128x64w8s3-swap": C(128, 128, 64, num_warps=8, num_stages=3, swap=True),
-        "128x256x64w8s3": C(128, 256, 64, num_warps=8, num_stages=3),
-        "128x256x64w8s3-swap": C(128, 256, 64, num_warps=8, num_stages=3, swap=True),
-        "256x128x64w8s3": C(256, 128, 64, num_warps=8, num_stages=3),
-        "256x128x64w8s3-swap": C(256, 128, 64, num_warps=8, num_stages=3, swap=True),
-        "64x256x64w4s4-swap": C(64, 256, 64, num_warps=4, num_stages=4, swap=True),
-        "128x256x64w8s4-swap": C(128, 256, 64, num_warps=8, num_stages=4, swap=True),
-    },
-    ("matmul_t", "big"): {
-        "128x64x128w8s3": C(128, 64, 128, num_warps=8, num_stages=3),
-        "128x64x128w8s3-gather": C(128, 64, 128, num_warps=8, num_stages=3, lut=0),
-        "128x64x128w8s3-swap": C(128, 64, 128, num_warps=8, num_stages=3, swap=True),
-        "256x64x128w8s3": C(256, 64, 128, num_warps=8, num_stages=3),
-        "256x64x128w8s3-swap": C(256, 64, 128, num_warps=8, num_stages=3, swap=True),
-        "128x64x256w8s3": C(128, 64, 256, num_warps=8, num_stages=3),
-        "128x64x256w8s3-swap": C(128, 64, 256, num_warps=8, num_stages=3, swap=True),
-        "256x32x128w8s4": C(256, 32, 128, num_warps=8, num_stages=4),
-        "64x64x256w4s4-swap": C(64, 64, 256, num_warps=4, num_stages=4, swap=True),
-    },
-    ("matmul", "small"): {
-        "128x64x64w4s4-split2": C(128, 64, 64, split=2, num_warps=4, num_stages=4),
-        "128x64x64w4s4-split2-gather": C(128, 64, 64, split=2, num_warps=4, num_stages=4, lut=0),
-        "128x64x64w4s4-split2-swap": C(128, 64, 64, split=2, num_warps=4, num_stages=4, swap=True),
-        "128x128x64w8s3-split4": C(128, 128, 64, split=4, num_warps=8, num_stages=3),
-        "128x128x64w8s3-split4-swap": C(128, 128, 64, split=4, num_warps=8, num_stages=3, swap=True),
-        "128x256x64w8s3-split8-swap": C(128, 256, 64, split=8, num_warps=8, num_stages=3, swap=True),
-        "128x32x128w4s4-split4": C(128, 32, 128, split=4, num_warps=4, num_stages=4),
-        "128x64x128w4s4-split2-swap": C(128, 64, 128, split=2, num_warps=4, num_stages=4, swap=True),
-    },
-    ("matmul_t", "small"): {
-        "128x64x64w4s4-split2": C(128, 64, 64, split=2, num_warps=4, num_stages=4),
-        "128x64x64w4s4-split2-gather": C(128, 64, 64, split=2, num_warps=4, num_stages=4, lut=0),
-        "128x64x64w4s4-split2-swap": C(128, 64, 64, split=2, num_warps=4, num_stages=4, swap=True),
-        "128x64x128w8s3-split4": C(128, 64, 128, split=4, num_warps=8, num_stages=3),
-        "128x64x128w8s3-split4-swap": C(128, 64, 128, split=4, num_warps=8, num_stages=3, swap=True),
-        "128x64x256w8s3-split8-swap": C(128, 64, 256, split=8, num_warps=8, num_stages=3, swap=True),
-        "128x32x128w4s4-split4": C(128, 32, 128, split=4, num_warps=4, num_stages=4),
-    },
+    ("matmul", "big"): [
+        C(128, 128, 64, num_warps=8, num_stages=3),
+        C(128, 128, 64, num_warps=8, num_stages=3, lut=0),
+        C(128, 128, 64, num_warps=8, num_stages=3, swap=True),
+        C(128, 256, 64, num_warps=8, num_stages=3),
+        C(128, 256, 64, num_warps=8, num_stages=3, swap=True),
+        C(256, 128, 64, num_warps=8, num_stages=3),
+        C(256, 128, 64, num_warps=8, num_stages=3, swap=True),
+        C(64, 256, 64, num_warps=4, num_stages=4, swap=True),
+        C(128, 256, 64, num_warps=8, num_stages=4, swap=True),
+    ],
+    ("matmul_t", "big"): [
+        C(128, 64, 128, num_warps=8, num_stages=3),
+        C(128, 64, 128, num_warps=8, num_stages=3, lut=0),
+        C(128, 64, 128, num_warps=8, num_stages=3, swap=True),
+        C(256, 64, 128, num_warps=8, num_stages=3),
+        C(256, 64, 128, num_warps=8, num_stages=3, swap=True),
+        C(128, 64, 256, num_warps=8, num_stages=3),
+        C(128, 64, 256, num_warps=8, num_stages=3, swap=True),
+        C(256, 32, 128, num_warps=8, num_stages=4),
+        C(64, 64, 256, num_warps=4, num_stages=4, swap=True),
+    ],
+    ("matmul", "small"): [
+        C(128, 64, 64, split=2, num_warps=4, num_stages=4),
+        C(128, 64, 64, split=2, num_warps=4, num_stages=4, lut=0),
+        C(128, 64, 64, split=2, num_warps=4, num_stages=4, swap=True),
+        C(128, 128, 64, split=4, num_warps=8, num_stages=3),
+        C(128, 128, 64, split=4, num_warps=8, num_stages=3, swap=True),
+        C(128, 256, 64, split=8, num_warps=8, num_stages=3, swap=True),
+        C(128, 32, 128, split=4, num_warps=4, num_stages=4),
+        C(128, 64, 128, split=2, num_warps=4, num_stages=4, swap=True),
+    ],
+    ("matmul_t", "small"): [
+        C(128, 64, 64, split=2, num_warps=4, num_stages=4),
+        C(128, 64, 64, split=2, num_warps=4, num_stages=4, lut=0),
+        C(128, 64, 64, split=2, num_warps=4, num_stages=4, swap=True),
+        C(128, 64, 128, split=4, num_warps=8, num_stages=3),
+        C(128, 64, 128, split=4, num_warps=8, num_stages=3, swap=True),
+        C(128, 64, 256, split=8, num_warps=8, num_stages=3, swap=True),
+        C(128, 32, 128, split=4, num_warps=4, num_stages=4),
+    ],
 }
 # (N, K, M, full variant sweep)
 PROBLEMS = [(4096, 4096, 128, True), (4096, 4096, 2048, True),
@@ -128,8 +135,7 @@ def run_problem(N, Kin, M, sweep, dtype, rows, dev):
         default = K.default_config(op, M, N, Kin, dtype)
         variants = {"default": default}
         if dtype != torch.float32:
-            pool = VARIANTS[(op, regime)]
-            variants.update(pool if sweep else {k: v for k, v in pool.items() if k in SHORTLIST})
+            variants.update((label(c), c) for c in VARIANTS[(op, regime)] if sweep or label(c) in SHORTLIST)
         launch = K.nf4_matmul if op == "matmul" else K.nf4_matmul_t
         arg = "x" if op == "matmul" else "g"
         ref, scale = (ref_y, scale_y) if op == "matmul" else (ref_dx, scale_dx)
