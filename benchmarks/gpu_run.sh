@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
 # The GPU evidence, in stages, on the GPU machine (each stage fits one 10-minute call):
-#   device run, carry [".whl"]:  bash benchmarks/gpu_run.sh tests profiles kernels throughput
-#   tests       tests/test_gpu.py and tests/test_kernels.py         -> gpu-tests.log
+#   device run, carry [".whl"]:  bash benchmarks/gpu_run.sh tests profiles kernels lora throughput
+#   tests       tests/test_gpu.py, test_kernels.py, test_lora_kernels.py -> gpu-tests.log
 #               (TESTS="pytest arguments" narrows it)
 #   profiles    benchmarks/gpu_profiles.py (the profile matrix)      -> <date>-h200-profiles.json
 #   kernels     benchmarks/nf4_kernels.py (fused NF4 against dense)  -> <date>-h200-nf4-kernels.json
+#               (KERNELS=--quick: the 4096 x 4096 points only)
+#   lora        benchmarks/lora_kernels.py (fused adapter kernels)   -> <date>-h200-lora-kernels.json
 #   throughput  benchmarks/throughput.py (ours against the peer)     -> <date>-h200.json
 #               (COMBOS="model:method ..." narrows it)
 #   profile     where one update's GPU time goes (SmolLM2 and Llama-3.2-1B LoRA, eager loop:
-#               the kernels a recorded graph replays)
+#               the kernels a recorded graph replays; PROFILES="model:method:eager ..." chooses)
 # Results land in $OUT. Prepare .whl (an ignored folder) here first:
 #   mkdir -p .whl && pip wheel --no-deps -w .whl llama-cpp-python==0.3.36   # CMAKE_ARGS as in the Makefile
 #   pip download --no-deps -d .whl gguf==0.19.0 diskcache==5.6.3 bitsandbytes==0.50.2
@@ -25,12 +27,13 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 for stage in "$@"; do
   echo "== $stage $(date +%T)"
   case $stage in
-    tests) python3 -m pytest -q -p no:cacheprovider ${TESTS:-tests/test_gpu.py tests/test_kernels.py} 2>&1 \
+    tests) python3 -m pytest -q -p no:cacheprovider ${TESTS:-tests/test_gpu.py tests/test_kernels.py tests/test_lora_kernels.py} 2>&1 \
              | tee "$OUT/gpu-tests.log" | tail -n 30 ;;
     profiles) python3 benchmarks/gpu_profiles.py "$OUT/$day-h200-profiles.json" 2>&1 | tee "$OUT/gpu-profiles.log" ;;
-    kernels) python3 benchmarks/nf4_kernels.py "$OUT/$day-h200-nf4-kernels.json" 2>&1 | tee "$OUT/nf4-kernels.log" | tail -n 40 ;;
+    kernels) python3 benchmarks/nf4_kernels.py "$OUT/$day-h200-nf4-kernels.json" ${KERNELS:-} 2>&1 | tee "$OUT/nf4-kernels.log" | tail -n 40 ;;
+    lora) python3 benchmarks/lora_kernels.py "$OUT/$day-h200-lora-kernels.json" 2>&1 | tee "$OUT/lora-kernels.log" | tail -n 60 ;;
     throughput) python3 benchmarks/throughput.py "$OUT/$day-h200.json" ${COMBOS:-} 2>&1 | tee "$OUT/throughput.log" ;;
-    profile) for c in smollm2-135m:lora:eager llama-3.2-1b:lora:eager; do python3 benchmarks/throughput.py --profile $c; done 2>&1 \
+    profile) for c in ${PROFILES:-smollm2-135m:lora:eager llama-3.2-1b:lora:eager}; do python3 benchmarks/throughput.py --profile $c; done 2>&1 \
                | tee "$OUT/profile.log" | grep -v "^-" | cut -c1-160 | head -n 90 ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac

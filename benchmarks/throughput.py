@@ -1,7 +1,7 @@
 """Training throughput on the GPU: this library against the peer, measured in one run.
 
-    CUBLAS_WORKSPACE_CONFIG=:4096:8 python benchmarks/throughput.py OUT.json [model:method[:eager] ...]
-    ... --profile model:method      where one update's GPU time goes (no JSON)
+    CUBLAS_WORKSPACE_CONFIG=:4096:8 python benchmarks/throughput.py OUT.json [model:method[:flag] ...]
+    ... --profile model:method[:flag]   where one update's GPU time goes (no JSON)
 
 Both sides train random-weight models of the real shapes (SmolLM2-135M, Llama-3.2-1B,
 Llama-3.1-8B) on batches of 8 x 1024 tokens: BF16 operation policy, LoRA rank 16 / alpha 32 on
@@ -12,8 +12,10 @@ mode. Each side warms up, then times N updates over the same fixed batch of 8 se
 device synchronisation, so "the loss falls" is checkable, and reports tokens/s (8 x 1024 input
 positions per update, over the sum of the timed updates' seconds) and the Torch allocator peak. Methods: full (FP32 masters), lora (FP32
 base), qlora (NF4 double-quantized base, fused kernels when available). Ours records each
-micro-batch shape's kernels as a CUDA graph (profile cuda_graphs=True, the same bits as eager);
-a `:eager` suffix measures the eager loop instead. The record holds both sides and their ratios.
+micro-batch shape's kernels as a CUDA graph (profile cuda_graphs=True, the same bits as eager)
+and runs the adapters' products through the fused kernels (adapter_kernel="fused"); the flag
+`:eager` measures the eager loop instead, `:torch` the adapters' torch ops. The record holds
+both sides and their ratios.
 """
 import argparse
 import gc
@@ -79,9 +81,17 @@ def data(vocab: int):
     return tr, va
 
 
-def select(base, method, graphs=True):
-    """The method on `base` under the BF16 policy (QLoRA with the fused kernels)."""
-    profile = dict(precision="bfloat16", cuda_graphs=graphs)
+def parse(combo: str) -> tuple[str, str, dict]:
+    """'model:method[:eager][:torch]' -> (model, method, profile choices besides the BF16 policy)."""
+    model, method, *flags = combo.split(":")
+    assert set(flags) <= {"eager", "torch"}, combo
+    return model, method, {"cuda_graphs": "eager" not in flags,
+                           "adapter_kernel": "torch" if "torch" in flags or method == "full" else "fused"}
+
+
+def select(base, method, choices):
+    """The method on `base` under the BF16 policy and `choices` (QLoRA with the fused kernels)."""
+    profile = dict(precision="bfloat16", **choices)
     if method == "full":
         return base.with_training_profile(**profile)
     if method == "qlora":
@@ -93,10 +103,11 @@ def select(base, method, graphs=True):
     return base.lora(targets=TARGETS, rank=16, alpha=32.0).with_training_profile(**profile)
 
 
-def ours(model: str, method: str, graphs=True, steps=10, warmup=3) -> dict:
+def ours(combo: str, steps=10, warmup=3) -> dict:
+    model, method, choices = parse(combo)
     base = random_model(model)
     tr, va = data(base.config().vocab_size)
-    src = select(base, method, graphs)
+    src = select(base, method, choices)
     del base
     gc.collect()
     torch.cuda.synchronize()
@@ -139,10 +150,10 @@ def peer(combos: list[str], out: Path) -> dict:
 
 
 def profile(combo: str):
-    model, method, *eager = combo.split(":")
+    model, method, choices = parse(combo)
     base = random_model(model)
     tr, va = data(base.config().vocab_size)
-    src = select(base, method, graphs=not eager)
+    src = select(base, method, choices)
     micro = MICRO_BATCH.get(model, BATCH)
     m = src.fine_tune(tr, va, steps=2, micro_batch=micro, accumulation=BATCH // micro)
     acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
@@ -175,15 +186,15 @@ def main():
     peer_combos = list(dict.fromkeys(":".join(c.split(":")[:2]) for c in combos))   # in order, once each
     peers = {} if a.no_peer else peer(peer_combos, out.with_name(out.stem + "-peer.json"))
     for combo in combos:
-        model, method, *eager = combo.split(":")
+        model, method, choices = parse(combo)
         try:
-            r = ours(model, method, graphs=not eager, steps=a.steps)
+            r = ours(combo, steps=a.steps)
         except Exception as e:  # recorded, not hidden
             r = {"side": "ours", "model": model, "method": method, "error": f"{type(e).__name__}: {e}"}
             gc.collect()
             torch.cuda.empty_cache()
         p = peers.get(f"{model}:{method}", {})
-        row = {"model": model, "method": method, "cuda_graphs": not eager, "ours": r, "peer": p}
+        row = {"model": model, "method": method, **choices, "ours": r, "peer": p}
         if "tokens_per_s" in r and "tokens_per_s" in p:
             row["speedup"] = r["tokens_per_s"] / p["tokens_per_s"]
             row["memory_ratio"] = r["peak_bytes"] / p["peak_bytes"]

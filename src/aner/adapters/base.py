@@ -85,6 +85,18 @@ def full_precision(x: torch.Tensor):
     return torch.autocast(x.device.type, enabled=False)
 
 
+def add_low_rank(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, fused: bool):
+    """y + (x @ a^T) @ b^T in y's dtype, the products in a's dtype (FP32 in models; float64 in
+    gradient checks). `fused`: the GPU kernels of kernels.lora (FP32, one rounding of the sum);
+    else torch ops (the delta is rounded to y's dtype, then added)."""
+    if fused:
+        from ..kernels.lora import low_rank_delta
+        return low_rank_delta(x, y, a, b)
+    with full_precision(x):
+        delta = (x.to(a.dtype) @ a.t()) @ b.t()                  # (..., r) then (..., out)
+    return y + delta.to(y.dtype)
+
+
 def seeded(seed: int, *salt: int) -> torch.Generator:
     """A CPU generator for one (seed, salt...) stream: initialisation never depends on call order."""
     digest = hashlib.sha256(repr((seed,) + salt).encode()).digest()
@@ -106,7 +118,8 @@ class Method:
         """Which tensor names (suffixes like 'lora_b', or full names) are optimizer leaves."""
         raise NotImplementedError
 
-    def wrap(self, target: str, base: nn.Module, tensors: dict) -> nn.Module:
+    def wrap(self, target: str, base: nn.Module, tensors: dict, fused: bool = False) -> nn.Module:
+        """`base` plus this method's delta; `fused`: through kernels.lora on a GPU."""
         raise NotImplementedError
 
     def lora_factors(self, target: str, tensors: dict) -> tuple[torch.Tensor, torch.Tensor]:

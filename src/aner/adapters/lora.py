@@ -15,7 +15,7 @@ import math
 import torch
 from torch import nn
 
-from .base import Method, full_precision, seeded
+from .base import Method, add_low_rank, seeded
 
 LORA_FA_DAMPING = 1e-8   # added to A A^T before the pseudo-inverse
 
@@ -24,21 +24,19 @@ class LoRALinear(nn.Module):
     """base(x) + s * (x @ A^T) @ B^T, the adapter part in the adapter's dtype (FP32 in models;
     float64 only in gradient checks)."""
 
-    def __init__(self, base: nn.Module, a: torch.Tensor, b: torch.Tensor, scale: float):
+    def __init__(self, base: nn.Module, a: torch.Tensor, b: torch.Tensor, scale: float, fused: bool = False):
         super().__init__()
         self.base = base
         self.lora_a = a
         self.lora_b = b
         self.scale = scale
+        self.fused = fused
 
     def forward(self, x):
-        y = self.base(x)
-        with full_precision(x):
-            # The scale multiplies B (out x r), not the (..., out) product: the same value up to
-            # rounding (exactly the same bits when s is a power of two, as alpha = 2r is), without
-            # a pass over the output in forward and backward.
-            delta = (x.to(self.lora_a.dtype) @ self.lora_a.t()) @ (self.scale * self.lora_b).t()  # (..., r) then (..., out)
-        return y + delta.to(y.dtype)
+        # The scale multiplies B (out x r), not the (..., out) product: the same value up to
+        # rounding (exactly the same bits when s is a power of two, as alpha = 2r is), without
+        # a pass over the output in forward and backward.
+        return add_low_rank(self.base(x), x, self.lora_a, self.scale * self.lora_b, self.fused)
 
 
 class LoRA(Method):
@@ -59,8 +57,8 @@ class LoRA(Method):
     def trainable(self):
         return ("lora_a", "lora_b")
 
-    def wrap(self, target, base, tensors):
-        return LoRALinear(base, tensors[f"{target}.lora_a"], tensors[f"{target}.lora_b"], self.config.scale)
+    def wrap(self, target, base, tensors, fused=False):
+        return LoRALinear(base, tensors[f"{target}.lora_a"], tensors[f"{target}.lora_b"], self.config.scale, fused)
 
     def lora_factors(self, target, tensors):
         return tensors[f"{target}.lora_a"], tensors[f"{target}.lora_b"]

@@ -21,7 +21,7 @@ import hashlib
 import torch
 from torch import nn
 
-from .base import Method, full_precision, seeded
+from .base import Method, add_low_rank, full_precision, seeded
 
 GLOBAL_V = "tinylora.v"
 MAX_PARAMETERS = 4096
@@ -56,16 +56,20 @@ class TinyLoRALinear(nn.Module):
     The adapter part runs in the adapter tensors' dtype (FP32 in models, float64 in gradient checks).
     """
 
-    def __init__(self, base: nn.Module, u, s, vt, p, v):
+    def __init__(self, base: nn.Module, u, s, vt, p, v, fused: bool = False):
         super().__init__()
         self.base = base
         self.u, self.s, self.vt, self.p, self.v = u, s, vt, p, v
+        self.fused = fused
 
     def forward(self, x):
         y = self.base(x)
         with full_precision(x):
             r = torch.einsum("i,ijk->jk", self.v, self.p)        # (r, r) = sum_i v_i P_i
             m = self.s[:, None] * r                               # (r, r) = diag(S) R
+            if self.fused:
+                # B = U diag(S) R (out, r): A = V^T and B in one low-rank product.
+                return add_low_rank(y, x, self.vt, self.u @ m, True)
             h = x.to(self.vt.dtype) @ self.vt.t()                 # (..., r)
             delta = (h @ m.t()) @ self.u.t()                      # (..., r) then (..., out)
         return y + delta.to(y.dtype)
@@ -94,10 +98,11 @@ class TinyLoRA(Method):
     def trainable(self):
         return (GLOBAL_V,) if self.config.sharing == "global" else ("tinylora_v",)
 
-    def wrap(self, target, base, tensors):
+    def wrap(self, target, base, tensors, fused=False):
         t = target
         return TinyLoRALinear(base, tensors[f"{t}.tinylora_u"], tensors[f"{t}.tinylora_s"],
-                              tensors[f"{t}.tinylora_vt"], tensors[f"{t}.tinylora_p"], tensors[self._v_name(t)])
+                              tensors[f"{t}.tinylora_vt"], tensors[f"{t}.tinylora_p"], tensors[self._v_name(t)],
+                              fused)
 
     def lora_factors(self, target, tensors):
         """A = V_r^T (r, in), B = U_r diag(S_r) R (out, r); B is formed in float64, rounded once."""

@@ -19,8 +19,9 @@ def weight_module(weight, device_copy=None) -> nn.Module:
 
 
 def build(config, weights: dict, method=None, adapter_tensors: dict | None = None,
-          device_copies: dict | None = None) -> Llama:
-    """`device_copies`: name -> GPU copy of a packed weight, for the fused NF4 kernels."""
+          device_copies: dict | None = None, adapter_kernel: str = "torch") -> Llama:
+    """`device_copies`: name -> GPU copy of a packed weight, for the fused NF4 kernels;
+    `adapter_kernel`: the training profile's choice for the adapters' products."""
     table = names.expected(config)
     device_copies = device_copies or {}
     modules = {}
@@ -29,7 +30,7 @@ def build(config, weights: dict, method=None, adapter_tensors: dict | None = Non
         modules[name] = RMSNorm(w, config.rms_eps) if role == "norm" else weight_module(w, device_copies.get(name))
     if method is not None:
         for target in method.config.targets:
-            modules[target] = method.wrap(target, modules[target], adapter_tensors)
+            modules[target] = method.wrap(target, modules[target], adapter_tensors, adapter_kernel == "fused")
     layers = []
     for i in range(config.n_layer):
         per = {path.split(".")[-1]: modules[name] for name, (path, _, _) in table.items()

@@ -5,9 +5,10 @@ Eager, a micro-batch issues thousands of small kernels, one Python dispatch each
 model the GPU waits for the host. A graph records those launches once per micro-batch shape
 (B, T) and replays them with one call: the same kernels with the same arguments in the same
 order, so a replay gives the bits of the eager pass it recorded. Inputs are copied into the
-graph's own tensors before a replay. Outputs: the loss is the graph's tensor, and the gradients
-are copied (exactly) into one set of buffers that every shape shares; both are overwritten by the
-next replay of any recorded shape, so the caller consumes them first.
+graph's own tensors before a replay. Outputs: the loss is the graph's tensor; the gradients are
+the first recorded shape's own gradient tensors, into which every later shape's graph copies its
+gradients (exactly): one set for the run, as eager holds. Both are overwritten by the next replay
+of any recorded shape, so the caller consumes them first.
 
 Recording a shape costs one eager warm-up pass (it compiles kernels and creates library handles
 outside the recording) and the recording itself. Every graph of a run allocates its activations
@@ -26,7 +27,7 @@ class Graphed:
     def __init__(self, fn):
         self.fn = fn
         self.pool = torch.cuda.graph_pool_handle()
-        self.grads = None    # the gradient buffers every recorded shape writes
+        self.grads = None    # the first shape's gradient outputs, which every recorded shape writes
         self.recorded = {}   # (B, T) -> (static inputs, targets, scale, graph, loss)
 
     def __call__(self, inputs, targets, scale):
@@ -49,11 +50,12 @@ class Graphed:
         with torch.cuda.stream(side):
             _, grads = self.fn(*static)           # warm-up; its results are dropped
         torch.cuda.current_stream(inputs.device).wait_stream(side)
-        if self.grads is None:
-            self.grads = [torch.empty_like(g) for g in grads]
         del grads
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
             loss, grads = self.fn(*static)
-            torch._foreach_copy_(self.grads, grads)
+            if self.grads is None:
+                self.grads = list(grads)
+            else:
+                torch._foreach_copy_(self.grads, grads)
         return (*static, graph, loss)

@@ -3,6 +3,9 @@
     precision  float32 | float16 | bfloat16   operation policy for projections and attention
     optimizer  adamw | paged_adamw            where the FP32 Adam moments live
     nf4_kernel host_tiled | fused             how a packed NF4 base is decoded
+    adapter_kernel torch | fused              how an adapter's rank-r products run on a GPU:
+                                              torch ops, or Triton kernels that never write
+                                              the (tokens, out) FP32 delta (`kernels/lora.py`)
     page_bytes 4 KiB .. 64 MiB, 4096-aligned  the paged optimizer's chunk per moment
     cuda_graphs false | true                  replay each micro-batch shape's recorded kernels
                                               (`graphs.py`): the same bits, without the host's
@@ -23,6 +26,7 @@ from ..errors import ConfigError
 PRECISIONS = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 OPTIMIZERS = ("adamw", "paged_adamw")
 NF4_KERNELS = ("host_tiled", "fused")
+ADAPTER_KERNELS = ("torch", "fused")
 MIN_PAGE, MAX_PAGE, DEFAULT_PAGE = 4 << 10, 64 << 20, 2 << 20
 
 
@@ -33,6 +37,7 @@ class Profile:
     nf4_kernel: str = "host_tiled"
     page_bytes: int = DEFAULT_PAGE
     cuda_graphs: bool = False
+    adapter_kernel: str = "torch"
 
     def __post_init__(self):
         if self.precision not in PRECISIONS:
@@ -47,6 +52,9 @@ class Profile:
                               f"{MIN_PAGE} (4 KiB) to {MAX_PAGE} (64 MiB)")
         if not isinstance(self.cuda_graphs, bool):
             raise ConfigError(f"cuda_graphs={self.cuda_graphs!r} is not accepted; accepted: true or false")
+        if self.adapter_kernel not in ADAPTER_KERNELS:
+            raise ConfigError(f"adapter_kernel={self.adapter_kernel!r} is not supported; accepted: "
+                              f"{', '.join(ADAPTER_KERNELS)}")
 
     def check_placement(self, device: str, storage: str) -> None:
         """Refuse combinations this build cannot run; never substitute another."""
@@ -62,14 +70,16 @@ class Profile:
         if self.cuda_graphs and storage != "float32" and self.nf4_kernel == "host_tiled":
             raise ConfigError("cuda_graphs=True cannot record nf4_kernel='host_tiled', which copies host "
                               "tiles on every call; use nf4_kernel='fused' or cuda_graphs=False")
-        if self.nf4_kernel == "fused":
+        for field, fallback in (("nf4_kernel", "host_tiled"), ("adapter_kernel", "torch")):
+            if getattr(self, field) != "fused":
+                continue
             if device == "cpu":
-                raise ConfigError("nf4_kernel='fused' runs GPU kernels and needs a CUDA device; "
-                                  "on device='cpu' use nf4_kernel='host_tiled'")
+                raise ConfigError(f"{field}='fused' runs GPU kernels and needs a CUDA device; "
+                                  f"on device='cpu' use {field}={fallback!r}")
             from ..kernels import fused_available
             if not fused_available():
-                raise ConfigError("nf4_kernel='fused' needs Triton, which this installation lacks (it "
-                                  "comes with PyTorch's CUDA builds); use nf4_kernel='host_tiled'")
+                raise ConfigError(f"{field}='fused' needs Triton, which this installation lacks (it "
+                                  f"comes with PyTorch's CUDA builds); use {field}={fallback!r}")
 
     @property
     def compute_dtype(self) -> torch.dtype:

@@ -1,0 +1,245 @@
+"""Fused low-rank adapter kernels (Triton): y = base + (x @ A^T) @ B^T in FP32, without the
+full-size FP32 intermediates.
+
+An adapter adds delta = u @ B^T with u = x @ A^T, where A is (r, in), B is (out, r) (for LoRA
+the scale is already applied to B) and r is small. Written with torch ops under a FP16/BF16
+policy this converts x to FP32, writes delta as a (tokens, out) FP32 matrix, converts it and adds
+it, and backward does the same in reverse: about 16 bytes of traffic per output element each way,
+for 2 * r multiply-adds of work. Here three kernels cover forward and backward:
+
+    project        (M, N) @ W^T -> (M, r)       u = x @ A^T;  du = g @ B
+    expand         base + (M, r) @ W^T -> (M, N)  y = y_base + u @ B^T;  dx = du @ A
+    reduce_tokens  (M, N)^T @ (M, r) -> (N, r)  dB = g^T @ u;  dA^T = x^T @ du
+
+Each reads its (M, N) operand once in its own dtype (FP32, FP16 or BF16) and computes its
+products to FP32 accuracy, as the adapter policy requires: on the tensor cores through exact BF16
+parts of the FP32 values, summed in FP32 (`_fp32_dot`; measured on the H200 at several times the
+FP32 multiply-add rate), or with FP32 multiply-adds (`Tiles(tc=False)`). No TF32. `expand` rounds
+its output once. Reductions over a long dimension are split into a fixed number of parts that a
+second kernel sums in order. Tiles and splits are fixed functions of the shapes: the same inputs
+give the same bits on every run. The pure-torch reference is the unfused path in `aner.adapters`.
+"""
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from .splits import sum_splits
+
+TARGET_PROGRAMS = 264   # two programs per multiprocessor on an H200/H100 SXM
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """One launch's tiles: bm rows (tokens) x bn columns; split: parts of the reduced dimension
+    of project and reduce_tokens (0: enough parts for TARGET_PROGRAMS programs); tc: products on
+    the tensor cores through BF16 parts (`_fp32_dot`), else FP32 FMAs."""
+    bm: int
+    bn: int
+    warps: int = 4
+    split: int = 0
+    tc: bool = True
+
+
+@triton.jit
+def _bf16_parts(x):
+    """FP32 x -> BF16 (hi, mid, lo) with hi + mid + lo == x: each part rounds what is left."""
+    hi = x.to(tl.bfloat16)
+    rest = x - hi.to(tl.float32)                    # exact
+    mid = rest.to(tl.bfloat16)
+    lo = (rest - mid.to(tl.float32)).to(tl.bfloat16)
+    return hi, mid, lo
+
+
+@triton.jit
+def _fp32_dot(a, b, acc, A_BF16: tl.constexpr, TC: tl.constexpr):
+    """acc + a (X, Y) @ b (Y, Z) to FP32 accuracy; b holds FP32 values, a FP32/FP16 values, or
+    BF16 values when A_BF16.
+
+    TC 0: FP32 fused multiply-adds (tl.dot "ieee"). TC 1: on the BF16 tensor cores. Each FP32
+    operand is split exactly into three BF16 parts; a product of two BF16 parts is exact in FP32,
+    and the tensor cores sum them in FP32. The six products of weight >= 2^-16 of the leading one
+    are summed, smallest first (three when a is BF16: every product); the three left out are below
+    2^-24 of it, FP32's own rounding. Several times the FMA throughput, and no TF32 anywhere.
+    """
+    if TC:
+        b_hi, b_mid, b_lo = _bf16_parts(b)
+        if A_BF16:
+            acc = tl.dot(a, b_lo, acc, out_dtype=tl.float32)
+            acc = tl.dot(a, b_mid, acc, out_dtype=tl.float32)
+            return tl.dot(a, b_hi, acc, out_dtype=tl.float32)
+        else:
+            a_hi, a_mid, a_lo = _bf16_parts(a.to(tl.float32))
+            acc = tl.dot(a_lo, b_hi, acc, out_dtype=tl.float32)
+            acc = tl.dot(a_mid, b_mid, acc, out_dtype=tl.float32)
+            acc = tl.dot(a_hi, b_lo, acc, out_dtype=tl.float32)
+            acc = tl.dot(a_mid, b_hi, acc, out_dtype=tl.float32)
+            acc = tl.dot(a_hi, b_mid, acc, out_dtype=tl.float32)
+            return tl.dot(a_hi, b_hi, acc, out_dtype=tl.float32)
+    else:
+        return tl.dot(a.to(tl.float32), b, acc, input_precision="ieee", out_dtype=tl.float32)
+
+
+@triton.jit
+def _project_kernel(p, w, out, M, N, R, stride_wr, stride_wn, STEPS: tl.constexpr,
+                    BM: tl.constexpr, BN: tl.constexpr, RP: tl.constexpr, P_BF16: tl.constexpr,
+                    TC: tl.constexpr):
+    """out[s] (M, R) FP32 = p (M, N) @ w^T over columns [s, s + 1) * STEPS * BN of N, for w (R, N)
+    given by its strides."""
+    offs_m = tl.program_id(0) * BM + tl.arange(0, BM)
+    pid_s = tl.program_id(1)
+    offs_r = tl.arange(0, RP)
+    m_mask = offs_m < M
+    p_rows = p + offs_m.to(tl.int64)[:, None] * N
+    acc = tl.zeros((BM, RP), dtype=tl.float32)
+    for i in range(0, STEPS):                       # a constexpr trip count: one compile per width
+        offs_n = (pid_s * STEPS + i) * BN + tl.arange(0, BN)
+        n_mask = offs_n < N
+        pt = tl.load(p_rows + offs_n[None, :], mask=m_mask[:, None] & n_mask[None, :], other=0.0)
+        wt = tl.load(w + offs_r[None, :] * stride_wr + offs_n[:, None] * stride_wn,
+                     mask=n_mask[:, None] & (offs_r < R)[None, :], other=0.0)       # (BN, RP)
+        acc = _fp32_dot(pt, wt, acc, P_BF16, TC)
+    tl.store(out + pid_s.to(tl.int64) * M * R + offs_m.to(tl.int64)[:, None] * R + offs_r[None, :], acc,
+             mask=m_mask[:, None] & (offs_r < R)[None, :])
+
+
+@triton.jit
+def _expand_kernel(q, w, base, out, M, N, R, stride_wn, stride_wr,
+                   HAS_BASE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, RP: tl.constexpr,
+                   TC: tl.constexpr):
+    """out (M, N) = base + q (M, R) @ w^T for w (N, R) given by its strides; FP32, one rounding."""
+    offs_m = tl.program_id(0) * BM + tl.arange(0, BM)
+    offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
+    offs_r = tl.arange(0, RP)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    r_mask = offs_r < R
+    qt = tl.load(q + offs_m.to(tl.int64)[:, None] * R + offs_r[None, :],
+                 mask=m_mask[:, None] & r_mask[None, :], other=0.0)               # (BM, RP)
+    wt = tl.load(w + offs_r[:, None] * stride_wr + offs_n[None, :] * stride_wn,
+                 mask=r_mask[:, None] & n_mask[None, :], other=0.0)                # (RP, BN)
+    acc = _fp32_dot(qt, wt, tl.zeros((BM, BN), dtype=tl.float32), False, TC)
+    ofs = offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
+    mask = m_mask[:, None] & n_mask[None, :]
+    if HAS_BASE:
+        acc += tl.load(base + ofs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out + ofs, acc.to(out.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _reduce_tokens_kernel(p, q, part, M, N, R, STEPS: tl.constexpr,
+                          BM: tl.constexpr, BN: tl.constexpr, RP: tl.constexpr, P_BF16: tl.constexpr,
+                          TC: tl.constexpr):
+    """part[s] (N, R) FP32 = p[rows of part s]^T @ q[rows of part s] for p (M, N), q (M, R) FP32;
+    part s is rows [s, s + 1) * STEPS * BM."""
+    offs_n = tl.program_id(0) * BN + tl.arange(0, BN)
+    pid_s = tl.program_id(1)
+    offs_r = tl.arange(0, RP)
+    n_mask = offs_n < N
+    r_mask = offs_r < R
+    acc = tl.zeros((BN, RP), dtype=tl.float32)
+    for i in range(0, STEPS):
+        offs_m = (pid_s * STEPS + i) * BM + tl.arange(0, BM)
+        m_mask = offs_m < M
+        rows = offs_m.to(tl.int64)[:, None]
+        pt = tl.load(p + rows * N + offs_n[None, :], mask=m_mask[:, None] & n_mask[None, :], other=0.0)
+        qt = tl.load(q + rows * R + offs_r[None, :], mask=m_mask[:, None] & r_mask[None, :], other=0.0)
+        acc = _fp32_dot(tl.trans(pt), qt, acc, P_BF16, TC)
+    tl.store(part + pid_s.to(tl.int64) * N * R + offs_n[:, None] * R + offs_r[None, :], acc,
+             mask=n_mask[:, None] & r_mask[None, :])
+
+
+def _rank_tile(r: int) -> int:
+    return max(16, triton.next_power_of_2(r))
+
+
+def default_tiles(op: str, M: int, N: int, R: int) -> Tiles:
+    """The tiles used when none are given: a fixed function of the problem."""
+    wide = _rank_tile(R) > 64
+    if op == "project":
+        return Tiles(128, 32 if wide else 64)
+    if op == "expand":
+        return Tiles(64, 64 if wide else 128)
+    return Tiles(128, 32 if wide else 64)
+
+
+def _parts(tiles: int, steps: int, split: int) -> tuple[int, int]:
+    """(parts, steps per part) for `split` parts of `steps` (0: enough for TARGET_PROGRAMS), none empty."""
+    split = split or max(1, TARGET_PROGRAMS // max(1, tiles))
+    per = triton.cdiv(steps, max(1, min(split, steps)))
+    return (triton.cdiv(steps, per) if steps else 1), per
+
+
+def project(p: torch.Tensor, w: torch.Tensor, tiles: Tiles | None = None) -> torch.Tensor:
+    """p (M, N) @ w^T -> (M, R) FP32, for w (R, N) FP32 (any strides)."""
+    M, N = p.shape
+    R = w.shape[0]
+    t = tiles or default_tiles("project", M, N, R)
+    split, per = _parts(triton.cdiv(M, t.bm), triton.cdiv(N, t.bn), t.split)
+    part = torch.empty(split, M, R, device=p.device, dtype=torch.float32)
+    if M:
+        _project_kernel[(triton.cdiv(M, t.bm), split)](
+            p, w, part, M, N, R, w.stride(0), w.stride(1), STEPS=per, BM=t.bm, BN=t.bn,
+            RP=_rank_tile(R), P_BF16=p.dtype == torch.bfloat16, TC=t.tc, num_warps=t.warps, num_stages=2)
+    return part[0] if split == 1 else sum_splits(part)
+
+
+def expand(q: torch.Tensor, w: torch.Tensor, base: torch.Tensor | None, dtype: torch.dtype,
+           tiles: Tiles | None = None) -> torch.Tensor:
+    """(base +) q (M, R) @ w^T -> (M, N) in `dtype`, for w (N, R) FP32 (any strides)."""
+    M, R = q.shape
+    N = w.shape[0]
+    t = tiles or default_tiles("expand", M, N, R)
+    out = torch.empty(M, N, device=q.device, dtype=dtype)
+    if M:
+        _expand_kernel[(triton.cdiv(M, t.bm), triton.cdiv(N, t.bn))](
+            q, w, q if base is None else base, out, M, N, R, w.stride(0), w.stride(1),
+            HAS_BASE=base is not None, BM=t.bm, BN=t.bn, RP=_rank_tile(R), TC=t.tc,
+            num_warps=t.warps, num_stages=1)
+    return out
+
+
+def reduce_tokens(p: torch.Tensor, q: torch.Tensor, tiles: Tiles | None = None) -> torch.Tensor:
+    """p (M, N)^T @ q (M, R) -> (N, R) FP32, the token dimension split in a fixed number of
+    parts summed in order."""
+    M, N = p.shape
+    R = q.shape[1]
+    t = tiles or default_tiles("reduce_tokens", M, N, R)
+    split, per = _parts(triton.cdiv(N, t.bn), triton.cdiv(M, t.bm), t.split)
+    part = torch.zeros(split, N, R, device=p.device, dtype=torch.float32)
+    if M:
+        _reduce_tokens_kernel[(triton.cdiv(N, t.bn), split)](
+            p, q, part, M, N, R, STEPS=per, BM=t.bm, BN=t.bn, RP=_rank_tile(R),
+            P_BF16=p.dtype == torch.bfloat16, TC=t.tc, num_warps=t.warps, num_stages=2)
+    return part[0] if split == 1 else sum_splits(part)
+
+
+class _LowRankDelta(torch.autograd.Function):
+    """y = y_base + (x @ A^T) @ B^T; gradients for x, y_base, A and B."""
+
+    @staticmethod
+    def forward(ctx, x2d, y2d, a, b):
+        u = project(x2d, a)                                        # (M, r) FP32
+        ctx.save_for_backward(x2d, a, b, u)
+        return expand(u, b, y2d, y2d.dtype)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, g):
+        x2d, a, b, u = ctx.saved_tensors
+        g = g.contiguous()
+        du = project(g, b.t())                                     # (M, r) = g @ B
+        dx = expand(du, a.t(), None, x2d.dtype) if ctx.needs_input_grad[0] else None
+        da = reduce_tokens(x2d, du).t().contiguous() if ctx.needs_input_grad[2] else None   # (r, in) = du^T x
+        db = reduce_tokens(g, u) if ctx.needs_input_grad[3] else None         # (out, r) = g^T u
+        return dx, g, da, db
+
+
+def low_rank_delta(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """y + (x @ a^T) @ b^T in y's dtype: x (..., in) of any float dtype, y (..., out) the base
+    projection's output, a (r, in) and b (out, r) FP32 (b already carries the adapter's scale)."""
+    lead = x.shape[:-1]
+    out = _LowRankDelta.apply(x.reshape(-1, x.shape[-1]).contiguous(), y.reshape(-1, y.shape[-1]).contiguous(),
+                              a, b)
+    return out.reshape(*lead, y.shape[-1])

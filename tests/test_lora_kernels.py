@@ -1,0 +1,91 @@
+"""Fused low-rank adapter kernels (aner.kernels.lora) against float64 references.
+
+Runs on a CUDA device, or on the CPU under Triton's interpreter (TRITON_INTERPRET=1) with small
+shapes; skips otherwise (CI has neither a GPU nor Triton). Tolerances are relative to the sum of
+absolute products (FP32 sums: 1e-5), plus the output's own rounding for FP16/BF16 outputs.
+"""
+import dataclasses
+
+import pytest
+import torch
+
+from kernel_device import INTERPRET, device_or_skip
+
+DEV = device_or_skip()
+
+from aner.kernels import lora as L  # noqa: E402
+
+if INTERPRET:
+    # The interpreter's BF16 tl.dot is wrong (numpy has no BF16): check the FP32 FMA products there;
+    # the tensor-core products are checked on the GPU.
+    _tiles = L.default_tiles
+    L.default_tiles = lambda *a: dataclasses.replace(_tiles(*a), tc=False)
+EPS = {torch.float32: 2 ** -23, torch.float16: 2 ** -10, torch.bfloat16: 2 ** -7}
+# (tokens, in, out, rank): partial tiles everywhere, rank 1 and ranks past one rank tile.
+CASES = [(37, 100, 50, 8), (5, 64, 70, 1), (130, 192, 96, 16), (64, 48, 33, 40)]
+if not INTERPRET:
+    CASES += [(4096, 2048, 512, 16), (1000, 576, 1536, 64), (3000, 1536, 576, 256)]
+DTYPES = [torch.float32, torch.float16] + ([] if INTERPRET else [torch.bfloat16])
+
+
+def close(got, ref, scale, dtype):
+    """|got - ref| <= 1e-5 * scale (FP32 sums) + the rounding of got to `dtype`."""
+    err = (got.double() - ref).abs()
+    assert (err <= 1e-5 * scale + EPS[dtype] * ref.abs() + 1e-30).all(), err.max().item()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "x".join(map(str, c)))
+def test_forward_and_gradients(case, dtype):
+    M, n_in, n_out, r = case
+    x = torch.randn(M, n_in, device=DEV).to(dtype)
+    y = torch.randn(M, n_out, device=DEV).to(dtype)
+    a, b = torch.randn(r, n_in, device=DEV) / n_in ** 0.5, torch.randn(n_out, r, device=DEV)
+    g = torch.randn(M, n_out, device=DEV).to(dtype)
+    leaves = [t.clone().requires_grad_(True) for t in (x, y, a, b)]
+    out = L.low_rank_delta(*leaves)
+    out.backward(g)
+    assert out.dtype == dtype and [t.grad.dtype for t in leaves] == [dtype, dtype, torch.float32, torch.float32]
+
+    xd, yd, ad, bd, gd = (t.double() for t in (x, y, a, b, g))
+    u, du = xd @ ad.t(), gd @ bd
+    au, adu = xd.abs() @ ad.abs().t(), gd.abs() @ bd.abs()
+    close(out, yd + u @ bd.t(), yd.abs() + au @ bd.abs().t(), dtype)
+    close(leaves[0].grad, du @ ad, adu @ ad.abs(), dtype)
+    assert torch.equal(leaves[1].grad, g)
+    close(leaves[2].grad, du.t() @ xd, adu.t() @ xd.abs(), torch.float32)
+    close(leaves[3].grad, gd.t() @ u, gd.abs().t() @ au, torch.float32)
+
+
+def test_deterministic_and_no_grad_for_frozen():
+    M, n_in, n_out, r = (4096, 256, 128, 16) if not INTERPRET else (70, 64, 32, 4)
+    x = torch.randn(M, n_in, device=DEV, requires_grad=True)
+    a = torch.randn(r, n_in, device=DEV)                      # frozen, as in LoRA-FA
+    b = torch.randn(n_out, r, device=DEV, requires_grad=True)
+    g = torch.randn(M, n_out, device=DEV)
+
+    def run():
+        y = torch.zeros(M, n_out, device=DEV)
+        return [t.clone() for t in (L.low_rank_delta(x, y, a, b),
+                                    *torch.autograd.grad(L.low_rank_delta(x, y, a, b), (x, b), g))]
+    first, second = run(), run()
+    assert all(torch.equal(p, q) for p, q in zip(first, second))
+
+
+VARIANTS = [L.Tiles(16, 32, split=3, tc=False), L.Tiles(32, 16, warps=2, split=1, tc=False)]
+if not INTERPRET:
+    VARIANTS += [L.Tiles(16, 32, split=3), L.Tiles(64, 128, warps=8, split=1)]
+
+
+@pytest.mark.parametrize("tiles", VARIANTS, ids=str)
+def test_tile_variants(tiles):
+    """Options the benchmark may pick: split reductions, FMA and tensor-core products."""
+    M, n_in, r = 70, 100, 5
+    p, w = torch.randn(M, n_in, device=DEV), torch.randn(r, n_in, device=DEV)
+    q = torch.randn(M, r, device=DEV)
+    ref, scale = p.double() @ w.double().t(), p.double().abs() @ w.double().abs().t()
+    close(L.project(p, w, tiles), ref, scale, torch.float32)
+    close(L.expand(q, w.t(), p, torch.float32, tiles), p.double() + q.double() @ w.double(),
+          p.double().abs() + q.double().abs() @ w.double().abs(), torch.float32)
+    close(L.reduce_tokens(p, q, tiles), p.double().t() @ q.double(), p.double().abs().t() @ q.double().abs(),
+          torch.float32)
