@@ -29,7 +29,7 @@ C = K.TileConfig
 def label(c: K.TileConfig) -> str:
     """A variant's name, e.g. 256x128x64w8s3-split2-gather-swap."""
     return (f"{c.bm}x{c.bn}x{c.bk}w{c.num_warps}s{c.num_stages}" + (f"-split{c.split}" if c.split > 1 else "")
-            + ("-gather" if c.lut == 0 else "") + ("-swap" if c.swap else "") + ("-pairs" if c.pairs else ""))
+            + ("-gather" if c.lut == 0 else "") + ("-swap" if c.swap else ""))
 
 
 # Tile variants per (op, regime); "default" is added from default_config().
@@ -44,10 +44,6 @@ VARIANTS = {
         C(256, 128, 64, num_warps=8, num_stages=3, swap=True),
         C(64, 256, 64, num_warps=4, num_stages=4, swap=True),
         C(128, 256, 64, num_warps=8, num_stages=4, swap=True),
-        C(128, 128, 64, num_warps=8, num_stages=3, pairs=True),
-        C(256, 128, 64, num_warps=8, num_stages=3, pairs=True),
-        C(256, 128, 64, num_warps=8, num_stages=3, swap=True, pairs=True),
-        C(128, 256, 64, num_warps=8, num_stages=3, swap=True, pairs=True),
     ],
     ("matmul_t", "big"): [
         C(128, 64, 128, num_warps=8, num_stages=3),
@@ -59,9 +55,6 @@ VARIANTS = {
         C(128, 64, 256, num_warps=8, num_stages=3, swap=True),
         C(256, 32, 128, num_warps=8, num_stages=4),
         C(64, 64, 256, num_warps=4, num_stages=4, swap=True),
-        C(128, 64, 128, num_warps=8, num_stages=3, pairs=True),
-        C(256, 64, 128, num_warps=8, num_stages=3, pairs=True),
-        C(256, 64, 128, num_warps=8, num_stages=3, swap=True, pairs=True),
     ],
     ("matmul", "small"): [
         C(128, 64, 64, split=2, num_warps=4, num_stages=4),
@@ -72,8 +65,6 @@ VARIANTS = {
         C(128, 256, 64, split=8, num_warps=8, num_stages=3, swap=True),
         C(128, 32, 128, split=4, num_warps=4, num_stages=4),
         C(128, 64, 128, split=2, num_warps=4, num_stages=4, swap=True),
-        C(128, 64, 64, split=2, num_warps=4, num_stages=4, pairs=True),
-        C(128, 128, 64, split=4, num_warps=8, num_stages=3, swap=True, pairs=True),
     ],
     ("matmul_t", "small"): [
         C(128, 64, 64, split=2, num_warps=4, num_stages=4),
@@ -83,8 +74,6 @@ VARIANTS = {
         C(128, 64, 128, split=4, num_warps=8, num_stages=3, swap=True),
         C(128, 64, 256, split=8, num_warps=8, num_stages=3, swap=True),
         C(128, 32, 128, split=4, num_warps=4, num_stages=4),
-        C(128, 64, 128, split=4, num_warps=8, num_stages=3, pairs=True),
-        C(128, 64, 128, split=4, num_warps=8, num_stages=3, swap=True, pairs=True),
     ],
 }
 # (N, K, M, full variant sweep)

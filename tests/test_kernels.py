@@ -95,12 +95,10 @@ CONFIGS = [
     K.TileConfig(bm=32, bn=64, bk=64, split=3, lut=0, swap=True),
     K.TileConfig(bm=16, bn=16, bk=32, split=1, lut=1, swap=True, group_m=2),
     K.TileConfig(bm=64, bn=16, bk=128, split=4, num_warps=8, num_stages=2),
-    K.TileConfig(bm=32, bn=32, bk=128, split=2, pairs=True),
-    K.TileConfig(bm=16, bn=32, bk=64, split=3, swap=True, pairs=True),
 ]
 
 
-@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"{c.bm}x{c.bn}x{c.bk}s{c.split}l{c.lut}w{int(c.swap)}p{int(c.pairs)}")
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"{c.bm}x{c.bn}x{c.bk}s{c.split}l{c.lut}w{int(c.swap)}")
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", [(64, 100), (96, 192)], ids=lambda s: f"{s[0]}x{s[1]}")
 def test_explicit_configs(config, dtype, shape):
@@ -126,10 +124,6 @@ FAST_PAIRS = [
      K.TileConfig(128, 64, 128, num_warps=8, num_stages=3, swap=True)),
     (K.TileConfig(256, 128, 64, split=2, num_warps=8, num_stages=3, swap=True),
      K.TileConfig(256, 64, 128, split=2, num_warps=8, num_stages=3, swap=True)),
-    (K.TileConfig(128, 128, 64, num_warps=8, num_stages=3, pairs=True),
-     K.TileConfig(128, 64, 128, num_warps=8, num_stages=3, pairs=True)),
-    (K.TileConfig(256, 128, 64, num_warps=8, num_stages=3, swap=True, pairs=True),
-     K.TileConfig(256, 64, 128, num_warps=8, num_stages=3, swap=True, pairs=True)),
 ]
 if INTERPRET:
     PARTIAL = [((130, 192), 300), ((64, 100), 7)]      # K % 64 == 0 (fast decode) and general
@@ -137,7 +131,7 @@ else:
     PARTIAL = [((576, 576), 1000), ((1823, 781), 1000), ((1823, 781), 7), ((3, 130), 1000)]
 
 
-@pytest.mark.parametrize("pair", FAST_PAIRS, ids=lambda p: f"{p[0].bm}s{p[0].split}w{int(p[0].swap)}p{int(p[0].pairs)}")
+@pytest.mark.parametrize("pair", FAST_PAIRS, ids=lambda p: f"{p[0].bm}s{p[0].split}w{int(p[0].swap)}")
 @pytest.mark.parametrize("dtype", [d for d in DTYPES if d != torch.float32], ids=str)
 @pytest.mark.parametrize("double_quant", [False, True], ids=["plain", "dq"])
 @pytest.mark.parametrize("shape_m", PARTIAL, ids=lambda s: f"{s[0][0]}x{s[0][1]}-M{s[1]}")

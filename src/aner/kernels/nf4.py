@@ -149,10 +149,8 @@ def _decode_any(codes, absmax, acodes, ascales, aoffset, nf4cb, dyncb, rows, row
 
 @triton.jit
 def _decode_k64(codes, absmax, acodes, ascales, aoffset, nf4cb, dyncb, rows, row_mask, grp0, K,
-                R: tl.constexpr, G: tl.constexpr, DQ: tl.constexpr, LUT: tl.constexpr,
-                PAIRS: tl.constexpr = False):
-    """Fast path for K % 64 == 0: rows x columns [64 * grp0, 64 * (grp0 + G)) -> (R, 64 G) FP32,
-    or with PAIRS its even and odd columns as two (R, 32 G) tiles (no interleaving shuffle).
+                R: tl.constexpr, G: tl.constexpr, DQ: tl.constexpr, LUT: tl.constexpr):
+    """Fast path for K % 64 == 0: rows x columns [64 * grp0, 64 * (grp0 + G)) -> (R, 64 G) FP32.
 
     Each row's 64-column group is exactly one NF4 block (b = row * K/64 + group) stored in 32
     bytes, so the tile loads 32 bytes per block, one absmax per block, and splits nibbles.
@@ -166,11 +164,7 @@ def _decode_k64(codes, absmax, acodes, ascales, aoffset, nf4cb, dyncb, rows, row
     byte = tl.load(codes + byte_ofs, mask=mask[:, :, None], other=0)
     hi = _nf4_value(byte >> 4, nf4cb, LUT) * am                         # even elements
     lo = _nf4_value(byte & 15, nf4cb, LUT) * am                         # odd elements
-    if PAIRS:
-        # Column c of either half is element col0 + 2c (hi) or col0 + 2c + 1 (lo).
-        return tl.reshape(hi, (R, G * 32)), tl.reshape(lo, (R, G * 32))
-    else:
-        return tl.reshape(tl.join(hi, lo), (R, G * 64))                 # (R, G, 32, 2) -> (R, 64 G)
+    return tl.reshape(tl.join(hi, lo), (R, G * 64))                     # (R, G, 32, 2) -> (R, 64 G)
 
 
 @triton.jit
@@ -204,7 +198,7 @@ def _nf4_matmul_kernel(x, y, part, codes, absmax, acodes, ascales, aoffset, nf4c
                        M, N, K, STEPS_PER_SPLIT: tl.constexpr,
                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
                        SPLIT: tl.constexpr, FAST: tl.constexpr, DQ: tl.constexpr, LUT: tl.constexpr,
-                       SWAP: tl.constexpr, PAIRS: tl.constexpr):
+                       SWAP: tl.constexpr):
     """y (M, N) = x (M, K) @ W^T; program (tile, s) sums K steps [s, s + 1) * STEPS_PER_SPLIT of BK.
 
     SWAP computes the transposed tile W x^T, so the decoded weight is the register operand (A)
@@ -227,26 +221,12 @@ def _nf4_matmul_kernel(x, y, part, codes, absmax, acodes, ascales, aoffset, nf4c
         k0 = (pid_s * STEPS_PER_SPLIT + i) * BK
         offs_k = k0 + tl.arange(0, BK)
         xt = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & (offs_k < K)[None, :], other=0.0)
-        if PAIRS:
-            # Even and odd columns of x against the even and odd weight halves: two dots of BK / 2.
-            xe, xo = tl.split(tl.reshape(xt, (BM, BK // 2, 2)))
-            we, wo = _decode_k64(codes, absmax, acodes, ascales, aoffset, nf4cb, dyncb, offs_n, n_mask,
-                                 k0 // 64, K, BN, BK // 64, DQ, LUT, True)
-            we = we.to(xt.dtype)
-            wo = wo.to(xt.dtype)
-            if SWAP:
-                acc = tl.dot(we, tl.trans(xe), acc, input_precision="ieee", out_dtype=tl.float32)
-                acc = tl.dot(wo, tl.trans(xo), acc, input_precision="ieee", out_dtype=tl.float32)
-            else:
-                acc = tl.dot(xe, tl.trans(we), acc, input_precision="ieee", out_dtype=tl.float32)
-                acc = tl.dot(xo, tl.trans(wo), acc, input_precision="ieee", out_dtype=tl.float32)
+        w = _decode_tile(codes, absmax, acodes, ascales, aoffset, nf4cb, dyncb, offs_n, n_mask, k0, K,
+                         BN, BK, FAST, DQ, LUT).to(xt.dtype)             # (BN, BK), x's dtype
+        if SWAP:
+            acc = tl.dot(w, tl.trans(xt), acc, input_precision="ieee", out_dtype=tl.float32)
         else:
-            w = _decode_tile(codes, absmax, acodes, ascales, aoffset, nf4cb, dyncb, offs_n, n_mask, k0, K,
-                             BN, BK, FAST, DQ, LUT).to(xt.dtype)         # (BN, BK), x's dtype
-            if SWAP:
-                acc = tl.dot(w, tl.trans(xt), acc, input_precision="ieee", out_dtype=tl.float32)
-            else:
-                acc = tl.dot(xt, tl.trans(w), acc, input_precision="ieee", out_dtype=tl.float32)
+            acc = tl.dot(xt, tl.trans(w), acc, input_precision="ieee", out_dtype=tl.float32)
     if SWAP:
         acc = tl.trans(acc)                                             # (BN, BM) -> (BM, BN)
     out_mask = m_mask[:, None] & n_mask[None, :]
@@ -262,7 +242,7 @@ def _nf4_matmul_t_kernel(g, dx, part, codes, absmax, acodes, ascales, aoffset, n
                          M, N, K, STEPS_PER_SPLIT: tl.constexpr,
                          BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
                          SPLIT: tl.constexpr, FAST: tl.constexpr, DQ: tl.constexpr, LUT: tl.constexpr,
-                         SWAP: tl.constexpr, PAIRS: tl.constexpr):
+                         SWAP: tl.constexpr):
     """dx (M, K) = g (M, N) @ W; program (tile, s) sums N steps [s, s + 1) * STEPS_PER_SPLIT of BN.
 
     The output tile is (BM, BK); the decoded weight tile (BN, BK) is the B operand, or with SWAP
@@ -274,15 +254,7 @@ def _nf4_matmul_t_kernel(g, dx, part, codes, absmax, acodes, ascales, aoffset, n
     offs_k = pid_k * BK + tl.arange(0, BK)
     m_mask = offs_m < M
     g_rows = g + offs_m.to(tl.int64)[:, None] * N
-    if PAIRS:
-        # Even and odd output columns in two accumulators, interleaved once at the end.
-        if SWAP:
-            acc = tl.zeros((BK // 2, BM), dtype=tl.float32)
-            acc_o = tl.zeros((BK // 2, BM), dtype=tl.float32)
-        else:
-            acc = tl.zeros((BM, BK // 2), dtype=tl.float32)
-            acc_o = tl.zeros((BM, BK // 2), dtype=tl.float32)
-    elif SWAP:
+    if SWAP:
         acc = tl.zeros((BK, BM), dtype=tl.float32)
     else:
         acc = tl.zeros((BM, BK), dtype=tl.float32)
@@ -291,30 +263,14 @@ def _nf4_matmul_t_kernel(g, dx, part, codes, absmax, acodes, ascales, aoffset, n
         offs_n = (pid_s * STEPS_PER_SPLIT + i) * BN + tl.arange(0, BN)
         n_mask = offs_n < N
         gt = tl.load(g_rows + offs_n[None, :], mask=m_mask[:, None] & n_mask[None, :], other=0.0)
-        if PAIRS:
-            we, wo = _decode_k64(codes, absmax, acodes, ascales, aoffset, nf4cb, dyncb, offs_n, n_mask,
-                                 pid_k * BK // 64, K, BN, BK // 64, DQ, LUT, True)
-            we = we.to(gt.dtype)
-            wo = wo.to(gt.dtype)
-            if SWAP:
-                acc = tl.dot(tl.trans(we), tl.trans(gt), acc, input_precision="ieee", out_dtype=tl.float32)
-                acc_o = tl.dot(tl.trans(wo), tl.trans(gt), acc_o, input_precision="ieee", out_dtype=tl.float32)
-            else:
-                acc = tl.dot(gt, we, acc, input_precision="ieee", out_dtype=tl.float32)
-                acc_o = tl.dot(gt, wo, acc_o, input_precision="ieee", out_dtype=tl.float32)
+        w = _decode_tile(codes, absmax, acodes, ascales, aoffset, nf4cb, dyncb, offs_n, n_mask,
+                         pid_k * BK, K, BN, BK, FAST, DQ, LUT).to(gt.dtype)   # (BN, BK)
+        if SWAP:
+            acc = tl.dot(tl.trans(w), tl.trans(gt), acc, input_precision="ieee", out_dtype=tl.float32)
         else:
-            w = _decode_tile(codes, absmax, acodes, ascales, aoffset, nf4cb, dyncb, offs_n, n_mask,
-                             pid_k * BK, K, BN, BK, FAST, DQ, LUT).to(gt.dtype)   # (BN, BK)
-            if SWAP:
-                acc = tl.dot(tl.trans(w), tl.trans(gt), acc, input_precision="ieee", out_dtype=tl.float32)
-            else:
-                acc = tl.dot(gt, w, acc, input_precision="ieee", out_dtype=tl.float32)
+            acc = tl.dot(gt, w, acc, input_precision="ieee", out_dtype=tl.float32)
     if SWAP:
         acc = tl.trans(acc)                                             # (BK, BM) -> (BM, BK)
-        if PAIRS:
-            acc_o = tl.trans(acc_o)
-    if PAIRS:
-        acc = tl.reshape(tl.join(acc, acc_o), (BM, BK))                 # (BM, BK / 2, 2) -> (BM, BK)
     out_mask = m_mask[:, None] & (offs_k < K)[None, :]
     out_ofs = offs_m.to(tl.int64)[:, None] * K + offs_k[None, :]
     if SPLIT == 1:
@@ -353,7 +309,6 @@ class TileConfig:
     num_stages: int = 3
     lut: int = 1
     swap: bool = False
-    pairs: bool = False
 
     def check(self):
         for name in ("bm", "bn", "bk"):
@@ -438,7 +393,6 @@ def _launch_matmul(kernel, a, packed, M, R, Q, out_cols, config, op):
     kernel[(tiles, split)](a, out, part, *packed._args(), M, N, K, STEPS_PER_SPLIT=per,
                            BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, GROUP_M=cfg.group_m, SPLIT=split,
                            FAST=fast, DQ=packed.double_quant, LUT=cfg.lut, SWAP=cfg.swap,
-                           PAIRS=cfg.pairs and fast,
                            num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False)
     if split > 1:
         sum_splits(part, out)
