@@ -62,7 +62,7 @@ def main():
                     "floor_ms": nbytes / BANDWIDTH * 1e3}
             torch_ms = bench(torch_fn)
             rows.append({**base, "variant": "torch ops", "ms": torch_ms})
-            default = L.default_tiles(op, M, n, R)
+            default = L.default_tiles(op, R)
             for t in dict.fromkeys([default, *VARIANTS[op]]):
                 try:
                     err = check(fn(t), ref, scale)

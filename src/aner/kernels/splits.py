@@ -24,8 +24,6 @@ def sum_splits(part: torch.Tensor, out: torch.Tensor | None = None) -> torch.Ten
     to out's dtype (FP32 when no out is given)."""
     if out is None:
         out = torch.empty(part.shape[1:], device=part.device, dtype=torch.float32)
-    if part.shape[0] == 1 and out.dtype == torch.float32:
-        return out.copy_(part[0])
     numel, block = out.numel(), 1024
     if numel:
         _sum_splits_kernel[(triton.cdiv(numel, block),)](part, out, numel, SPLIT=part.shape[0], BLOCK=block,
