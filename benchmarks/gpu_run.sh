@@ -2,7 +2,8 @@
 # The GPU evidence, in stages, on the GPU machine (each stage fits one 10-minute call):
 #   device run, carry [".whl"]:  bash benchmarks/gpu_run.sh tests profiles kernels lora throughput
 #   tests       tests/test_gpu.py, test_kernels.py, test_lora_kernels.py -> gpu-tests.log
-#               (TESTS="pytest arguments" narrows it)
+#               (TESTS="pytest arguments" narrows it; quotes inside it are honoured:
+#               TESTS="tests/test_kernels.py -k 'fast or exact'")
 #   profiles    benchmarks/gpu_profiles.py (the profile matrix)      -> <date>-h200-profiles.json
 #   kernels     benchmarks/nf4_kernels.py (fused NF4 against dense)  -> <date>-h200-nf4-kernels.json
 #               (KERNELS=--quick: the 4096 x 4096 points only)
@@ -27,7 +28,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 for stage in "$@"; do
   echo "== $stage $(date +%T)"
   case $stage in
-    tests) python3 -m pytest -q -p no:cacheprovider ${TESTS:-tests/test_gpu.py tests/test_kernels.py tests/test_lora_kernels.py} 2>&1 \
+    tests) eval "python3 -m pytest -q -p no:cacheprovider ${TESTS:-tests/test_gpu.py tests/test_kernels.py tests/test_lora_kernels.py}" 2>&1 \
              | tee "$OUT/gpu-tests.log" | tail -n 30 ;;
     profiles) python3 benchmarks/gpu_profiles.py "$OUT/$day-h200-profiles.json" 2>&1 | tee "$OUT/gpu-profiles.log" ;;
     kernels) python3 benchmarks/nf4_kernels.py "$OUT/$day-h200-nf4-kernels.json" ${KERNELS:-} 2>&1 | tee "$OUT/nf4-kernels.log" | tail -n 40 ;;

@@ -6,6 +6,7 @@ Oracle: float64 matmul of NF4Weight.dequantize(); embedding rows bit-exact vs de
 Tolerances, relative to |x| @ |W|^T (resp. |g| @ |W|): FP32 1e-5, FP16 2e-3, BF16 1e-2 (the
 weight is rounded to the input dtype and the output is rounded once; accumulation is FP32).
 """
+import dataclasses
 import functools
 
 import pytest
@@ -88,14 +89,41 @@ def test_forward_and_input_grad(M, shape, double_quant, dtype):
     check_close(x3.grad[0], g.double() @ W, ga @ W.abs(), dtype, g)
 
 
-# Every launcher option the benchmark may pick: split-K, the select-tree LUT, swapped operands,
+def here(config):
+    """The config as this device runs it: the interpreter cannot run lut=2 (inline PTX)."""
+    return dataclasses.replace(config, lut=1) if INTERPRET and config.lut == 2 else config
+
+
+# Every launcher option the benchmark may pick: split-K, each codebook lookup, swapped operands,
 # BK below 64 (general decode on a K % 64 == 0 weight) and odd tile shapes.
-CONFIGS = [
+CONFIGS = [here(c) for c in (
     K.TileConfig(bm=16, bn=32, bk=64, split=2, lut=1),
     K.TileConfig(bm=32, bn=64, bk=64, split=3, lut=0, swap=True),
     K.TileConfig(bm=16, bn=16, bk=32, split=1, lut=1, swap=True, group_m=2),
     K.TileConfig(bm=64, bn=16, bk=128, split=4, num_warps=8, num_stages=2),
-]
+    K.TileConfig(bm=32, bn=32, bk=64, split=2, lut=2, swap=True),
+)]
+
+
+@pytest.mark.parametrize("lut", [0, 1] if INTERPRET else [0, 1, 2])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("double_quant", [False, True], ids=["plain", "dq"])
+def test_decode_is_exact_for_every_code_byte(double_quant, dtype, lut):
+    """Every code byte in every position of a 32-byte NF4 block: multiplying by an identity
+    reads the decoded weight back (each output is one product by 1 plus exact zeros), which
+    must equal NF4Weight.dequantize() rounded to the dtype, bit for bit, both ways round."""
+    N, Kin = 64, 256                                                    # 8192 codes: 4096 bytes
+    w = NF4Weight.quantize(torch.randn(N, Kin) * 0.02, double_quant=double_quant)
+    codes = (torch.arange(N * Kin // 2) * 97 + torch.arange(N * Kin // 2) // 256) % 256
+    w = dataclasses.replace(w, codes=codes.to(torch.uint8))            # each byte value 16x, spread
+    p, want = K.DevicePacked.from_weight(w, DEV), w.dequantize().to(DEV, dtype)
+    for bk in (64, 128):
+        cfg = K.TileConfig(bm=16 if INTERPRET else 64, bn=32, bk=bk, lut=lut, num_warps=4, num_stages=2)
+        wt = K.nf4_matmul(torch.eye(Kin, device=DEV, dtype=dtype), p, config=cfg)     # (K, N) = W^T
+        assert torch.equal(wt.t(), want), f"bk={bk}: {(wt.t() != want).sum().item()} elements differ"
+        cfg = dataclasses.replace(cfg, bn=bk, bk=64)
+        wn = K.nf4_matmul_t(torch.eye(N, device=DEV, dtype=dtype), p, config=cfg)     # (N, K) = W
+        assert torch.equal(wn, want), f"transposed bn={bk}: {(wn != want).sum().item()} elements differ"
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"{c.bm}x{c.bn}x{c.bk}s{c.split}l{c.lut}w{int(c.swap)}")
@@ -114,8 +142,8 @@ def test_explicit_configs(config, dtype, shape):
 # paired as (forward, input gradient), on tiles that are partial along every dimension: the
 # token count is not a multiple of bm, N not of bn, K not of bk; split 2 adds a fully masked
 # last step where the step count is odd. FP16/BF16 only (FP32 tiles of 256 exceed shared memory);
-# Explicit configs: default_config() does not pick them.
-FAST_PAIRS = [
+# default_config() picks the 256-token swap pair from 256 tokens on.
+FAST_PAIRS = [tuple(map(here, p)) for p in (
     (K.TileConfig(256, 128, 64, num_warps=8, num_stages=3, swap=True),
      K.TileConfig(256, 64, 128, num_warps=8, num_stages=3, swap=True)),
     (K.TileConfig(256, 128, 64, num_warps=8, num_stages=3),
@@ -124,7 +152,7 @@ FAST_PAIRS = [
      K.TileConfig(128, 64, 128, num_warps=8, num_stages=3, swap=True)),
     (K.TileConfig(256, 128, 64, split=2, num_warps=8, num_stages=3, swap=True),
      K.TileConfig(256, 64, 128, split=2, num_warps=8, num_stages=3, swap=True)),
-]
+)]
 if INTERPRET:
     PARTIAL = [((130, 192), 300), ((64, 100), 7)]      # K % 64 == 0 (fast decode) and general
 else:

@@ -24,6 +24,7 @@ element is summed by one program in a fixed order (split-K partials are reduced 
 kernel in split order), and the tile configuration is a fixed function of (M, N, K, dtype), so
 the same inputs give bitwise identical outputs on every run.
 """
+import os
 from dataclasses import dataclass
 
 import torch
@@ -37,6 +38,7 @@ from .splits import sum_splits
 # The kernels shift instead of dividing: flat >> 6 is the NF4 block, block >> 8 its scale.
 assert NF4_BLOCK == 64 and ABSMAX_BLOCK == 256
 
+INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"    # Triton's CPU interpreter (tests)
 TARGET_PROGRAMS = 132   # H200/H100 SXM multiprocessors: split-K aims at one wave of >= this many
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -120,6 +122,52 @@ def _nf4_value(nib, nf4cb, LUT: tl.constexpr):
         return tl.where(b3, t1, t0).to(tl.float32)
 
 
+def _prmt_lookup_asm() -> str:
+    """PTX for 4 code bytes (one register) -> their 8 NF4 values as FP32 bit patterns.
+
+    Byte k holds element 2k in its high nibble and 2k + 1 in its low nibble; outputs $0..$3 are
+    the high-nibble values of bytes 0..3, $4..$7 the low-nibble values; $8 is the input. The 16
+    FP32 codebook values are split into four byte planes of four registers each; `prmt` picks
+    four bytes of a plane at once (selector nibble: index & 7 into entries 0..7 or 8..15), a mask
+    built from index bit 3 chooses between the halves, and eight more `prmt` per four values
+    gather the planes back into words. About 6 instructions per value instead of a 15-way select.
+    """
+    bits = NF4_CODEBOOK.view(torch.int32).tolist()
+    plane = [[sum(((bits[4 * q + i] >> (8 * j)) & 255) << (8 * i) for i in range(4))
+              for q in range(4)] for j in range(4)]                      # plane[j][q]: byte j of 4q..4q+3
+    lines = [".reg .b32 x, y, s, ms, m, lo, hi, p0, p1, p2, p3, t0, t1, t2, t3, c80;",
+             "mov.b32 c80, 0x8000;"]
+    lines += [f".reg .b32 T{j}{q}; mov.b32 T{j}{q}, {plane[j][q]:#x};" for j in range(4) for q in range(4)]
+    for out, shift in ((0, 4), (4, 0)):                                 # high nibbles, then low
+        lines += [f"shr.b32 x, $8, {shift};" if shift else "mov.b32 x, $8;",
+                  "and.b32 x, x, 0x0F0F0F0F;",                          # nibbles at positions 0, 2, 4, 6
+                  "shr.b32 y, x, 12;", "or.b32 y, y, x;",               # positions 0..3 = bytes 0, 2, 1, 3
+                  "and.b32 s, y, 0x7777;",
+                  "shr.b32 ms, y, 3;", "and.b32 ms, ms, 0x1111;", "or.b32 ms, ms, 0x8888;",
+                  "prmt.b32 m, c80, 0, ms;"]                            # byte k: 0xFF where index >= 8
+        for j in range(4):
+            lines += [f"prmt.b32 lo, T{j}0, T{j}1, s;", f"prmt.b32 hi, T{j}2, T{j}3, s;",
+                      f"lop3.b32 p{j}, hi, lo, m, 0xE4;"]               # (hi & m) | (lo & ~m)
+        lines += ["prmt.b32 t0, p0, p1, 0x5140;", "prmt.b32 t1, p2, p3, 0x5140;",
+                  "prmt.b32 t2, p0, p1, 0x7362;", "prmt.b32 t3, p2, p3, 0x7362;",
+                  f"prmt.b32 ${out}, t0, t1, 0x5410;", f"prmt.b32 ${out + 2}, t0, t1, 0x7632;",
+                  f"prmt.b32 ${out + 1}, t2, t3, 0x5410;", f"prmt.b32 ${out + 3}, t2, t3, 0x7632;"]
+    return "{\n" + "\n".join(lines) + "\n}"
+
+
+_PRMT_LOOKUP = tl.constexpr(_prmt_lookup_asm())
+
+
+@triton.jit
+def _nf4_byte_values(byte, nf4cb, LUT: tl.constexpr):
+    """Code bytes -> (value of the high nibble, value of the low nibble), FP32."""
+    if LUT == 2:
+        return tl.inline_asm_elementwise(_PRMT_LOOKUP, "=r,=r,=r,=r,=r,=r,=r,=r,r", [byte],
+                                         dtype=(tl.float32, tl.float32), is_pure=True, pack=4)
+    else:
+        return _nf4_value(byte >> 4, nf4cb, LUT), _nf4_value(byte & 15, nf4cb, LUT)
+
+
 @triton.jit
 def _block_absmax(blk, mask, absmax, acodes, ascales, aoffset, dyncb, DQ: tl.constexpr):
     """FP32 absmax of NF4 blocks `blk`. Masked lanes give 0, or with DQ the (finite) offset;
@@ -162,9 +210,8 @@ def _decode_k64(codes, absmax, acodes, ascales, aoffset, nf4cb, dyncb, rows, row
     am = _block_absmax(blk, mask, absmax, acodes, ascales, aoffset, dyncb, DQ)[:, :, None]
     byte_ofs = blk[:, :, None] * 32 + tl.arange(0, 32)[None, None, :]  # (R, G, 32)
     byte = tl.load(codes + byte_ofs, mask=mask[:, :, None], other=0)
-    hi = _nf4_value(byte >> 4, nf4cb, LUT) * am                         # even elements
-    lo = _nf4_value(byte & 15, nf4cb, LUT) * am                         # odd elements
-    return tl.reshape(tl.join(hi, lo), (R, G * 64))                     # (R, G, 32, 2) -> (R, 64 G)
+    hi, lo = _nf4_byte_values(byte, nf4cb, LUT)                         # even, odd elements
+    return tl.reshape(tl.join(hi * am, lo * am), (R, G * 64))          # (R, G, 32, 2) -> (R, 64 G)
 
 
 @triton.jit
@@ -298,8 +345,9 @@ def _nf4_rows_kernel(ids, out, codes, absmax, acodes, ascales, aoffset, nf4cb, d
 class TileConfig:
     """Tiles of one launch. bm: tokens; bn: weight rows (out features); bk: weight columns (in
     features). split: parts of the reduced dimension (K forward, N input gradient), summed by a
-    second kernel in order. lut: 0 gather codebook, 1 select tree (measured 4x faster on the
-    H200: the gather compiles to a global load per element). swap: weight as MMA operand A."""
+    second kernel in order. lut, the codebook lookup: 0 gather (a global load per element),
+    1 select tree, 2 byte permutes on whole code bytes where K % 64 == 0 (inline PTX: GPU only;
+    elsewhere the select tree). swap: weight as MMA operand A."""
     bm: int
     bn: int
     bk: int
@@ -307,7 +355,7 @@ class TileConfig:
     group_m: int = 8
     num_warps: int = 4
     num_stages: int = 3
-    lut: int = 1
+    lut: int = 2
     swap: bool = False
 
     def check(self):
@@ -316,9 +364,11 @@ class TileConfig:
             if v < 16 or v & (v - 1):
                 raise ConfigError(f"TileConfig.{name}={v} must be a power of two >= 16")
         if self.split < 1 or self.group_m < 1 or self.num_warps not in (1, 2, 4, 8, 16) \
-                or self.num_stages < 1 or self.lut not in (0, 1):
+                or self.num_stages < 1 or self.lut not in (0, 1, 2):
             raise ConfigError(f"{self} has a value outside split >= 1, group_m >= 1, num_warps in "
-                              f"1..16 (power of two), num_stages >= 1, lut in (0, 1)")
+                              f"1..16 (power of two), num_stages >= 1, lut in (0, 1, 2)")
+        if self.lut == 2 and INTERPRETING:
+            raise ConfigError(f"{self}: lut=2 runs inline PTX, which Triton's interpreter cannot; use lut=1")
 
 
 def _pow2_at_least(n: int, lo: int) -> int:
@@ -326,10 +376,10 @@ def _pow2_at_least(n: int, lo: int) -> int:
 
 
 def _split(tiles: int, steps: int) -> int:
-    """Parts of the reduction for `tiles` output tiles: double while fewer than TARGET_PROGRAMS
-    programs would run and every part keeps >= 4 steps (a fixed function of the shape)."""
+    """Parts of the reduction for `tiles` output tiles: double while the programs still fit one
+    wave of TARGET_PROGRAMS and every part keeps >= 4 steps (a fixed function of the shape)."""
     split = 1
-    while tiles * split < TARGET_PROGRAMS and steps >= 8 * split and split < 16:
+    while tiles * split * 2 <= TARGET_PROGRAMS and steps >= 8 * split and split < 16:
         split *= 2
     return split
 
@@ -341,17 +391,25 @@ def default_config(op: str, M: int, N: int, K: int, dtype: torch.dtype) -> TileC
         # "ieee" FP32 dots run on the FMA units: small tiles keep registers in check.
         bm, bn, bk, warps, stages, swap = min(64, _pow2_at_least(M, 16)), 64, 64, 4, 2, False
     else:
-        # Verified on the H200 over the whole test grid and in training. 256-token tiles with the
-        # decoded weight as MMA operand A (x3.5 of dense instead of x7 at M=2048) pass the partial-
-        # tile tests but gave a non-finite loss in QLoRA training at 8 x 1024 tokens: not the default.
-        bm = 128 if M >= 128 else _pow2_at_least(M, 16)
-        warps, stages, swap = (8 if bm >= 128 else 4), 3, False
+        # The fastest measured on the H200 (benchmarks/results/2026-11-30-h200-nf4-kernels-prmt.json):
+        # from 256 tokens, 256-token tiles with the decoded weight as MMA operand A; from 128,
+        # 128-token tiles, the input gradient with the weight as operand A, the forward as B. The
+        # general decode (K % 64 != 0) keeps 128 tokens and operand B: it spills at 256.
+        fast = K % 64 == 0
+        if M >= 256 and fast:
+            bm, swap = 256, True
+        elif M >= 128:
+            bm, swap = 128, fast and op == "matmul_t"
+        else:
+            bm, swap = _pow2_at_least(M, 16), False
+        warps, stages = (8 if bm >= 128 else 4), 3
         bn, bk = (128 if M >= 128 else 64, 64) if op == "matmul" else (64, 128)
     if op == "matmul":
         split = _split(-(-M // bm) * -(-N // bn), -(-K // bk))
     else:
         split = _split(-(-M // bm) * -(-K // bk), -(-N // bn))
-    return TileConfig(bm=bm, bn=bn, bk=bk, split=split, num_warps=warps, num_stages=stages, swap=swap)
+    return TileConfig(bm=bm, bn=bn, bk=bk, split=split, num_warps=warps, num_stages=stages, swap=swap,
+                      lut=1 if INTERPRETING else 2)
 
 
 # ----------------------------------------------------------------------------- launchers
