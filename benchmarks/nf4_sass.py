@@ -1,0 +1,94 @@
+"""What one K step of a fused NF4 kernel issues, without a GPU: compile for sm_90a, count SASS.
+
+    PYTHONPATH=src python3 benchmarks/nf4_sass.py [M N K]      (default 8192 2048 2048, BF16)
+
+Needs Triton (its wheel carries ptxas and cuobjdump), not a GPU. For the default configuration
+of both kernels at that shape and a few alternatives it prints registers, stack (spills) and
+the instructions of the main loop (the longest backward branch around an HGMMA) by opcode.
+The loop's length times the warps over the 4 schedulers of a multiprocessor, against the
+tensor-core cycles of bm x bn x bk MACs (~2048 BF16 MACs a cycle on an H100/H200 SM), says
+whether a variant is decode-bound before any GPU time is spent.
+"""
+import collections
+import dataclasses
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from aner.kernels import nf4 as K
+
+BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+
+
+def compile_kernel(op: str, cfg: K.TileConfig, M: int, N: int, Kin: int, dtype="bf16", double_quant=True):
+    """The cubin the launcher would build for (op, cfg, shape), specialized the same way."""
+    kernel = K._nf4_matmul_kernel if op == "matmul" else K._nf4_matmul_t_kernel
+    reduced, tile = (Kin, cfg.bk) if op == "matmul" else (N, cfg.bn)
+    steps = -(-reduced // tile)
+    per = -(-steps // cfg.split)
+    consts = dict(STEPS_PER_SPLIT=per, BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, GROUP_M=cfg.group_m,
+                  SPLIT=-(-steps // per), FAST=Kin % 64 == 0 and cfg.bk % 64 == 0, DQ=double_quant,
+                  LUT=cfg.lut, SWAP=cfg.swap)
+    pointers = {"x": dtype, "y": dtype, "g": dtype, "dx": dtype, "part": "fp32", "codes": "u8",
+                "absmax": "u8" if double_quant else "fp32", "acodes": "u8",
+                "ascales": "fp32" if double_quant else "u8", "aoffset": "fp32" if double_quant else "u8",
+                "nf4cb": "fp32", "dyncb": "fp32"}
+    ints = dict(M=M, N=N, K=Kin)
+    signature, attrs = {}, {}
+    for i, name in enumerate(kernel.arg_names):
+        if name in pointers:
+            signature[name] = "*" + pointers[name]
+            attrs[(i,)] = [["tt.divisibility", 16]]            # the launcher's 16-byte alignment
+        elif name in ints:
+            signature[name] = "i32"
+            if ints[name] % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+        else:
+            signature[name] = "constexpr"
+    src = ASTSource(fn=kernel, signature=signature, constexprs=consts, attrs=attrs)
+    options = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm["cubin"]
+
+
+def loop_report(cubin: bytes) -> str:
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        sass = subprocess.run([os.path.join(BIN, "cuobjdump"), "-sass", f.name], capture_output=True, text=True).stdout
+        usage = subprocess.run([os.path.join(BIN, "cuobjdump"), "-res-usage", f.name], capture_output=True,
+                               text=True).stdout.strip().splitlines()[-1]
+    at = {int(a, 16): text for a, text in re.findall(r"/\*([0-9a-f]{4})\*/\s+([^;]*);", sass)}
+    loop = []
+    for addr, text in at.items():
+        m = re.search(r"BRA (0x[0-9a-f]+)", text)
+        if m and int(m.group(1), 16) < addr:
+            body = [at[a] for a in sorted(at) if int(m.group(1), 16) <= a <= addr]
+            if any("HGMMA" in b for b in body) and len(body) > len(loop):
+                loop = body
+    ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", b).split()[0].split(".")[0] for b in loop)
+    regs = re.search(r"REG:(\d+) STACK:(\d+)", usage)
+    return (f"regs {regs.group(1)} stack {regs.group(2)} | loop {len(loop)} instrs: "
+            + ", ".join(f"{k} {v}" for k, v in ops.most_common(10)))
+
+
+def main():
+    M, N, Kin = map(int, sys.argv[1:4]) if len(sys.argv) > 3 else (8192, 2048, 2048)
+    for op in ("matmul", "matmul_t"):
+        default = K.default_config(op, M, N, Kin, torch.bfloat16)
+        for name, cfg in (("default", default), ("select tree", dataclasses.replace(default, lut=1)),
+                          ("operand B", dataclasses.replace(default, swap=False))):
+            w = cfg.bn * cfg.bk // (32 * cfg.num_warps)
+            print(f"{op:8} {name:12} {cfg.bm}x{cfg.bn}x{cfg.bk} w{cfg.num_warps} s{cfg.num_stages}: "
+                  f"{w} weight elements a thread a step | {loop_report(compile_kernel(op, cfg, M, N, Kin))}",
+                  flush=True)
+
+
+if __name__ == "__main__":
+    main()
