@@ -97,7 +97,8 @@ class DevicePacked:
 @triton.jit
 def _nf4_value(nib, nf4cb, LUT: tl.constexpr):
     """4-bit index -> FP32 NF4 code value. LUT 0: gather from the 64-byte device table (one L1
-    line); LUT 1: a select tree over literal constants (exact FP32 values of NF4_CODEBOOK)."""
+    line); otherwise a select tree over literal constants (exact FP32 values of NF4_CODEBOOK):
+    LUT 1 everywhere, LUT 2 where the whole-byte decode does not apply (K % 64 != 0)."""
     if LUT == 0:
         return tl.load(nf4cb + nib.to(tl.int32))
     else:
