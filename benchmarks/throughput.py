@@ -12,10 +12,11 @@ mode. Each side warms up, then times N updates over the same fixed batch of 8 se
 device synchronisation, so "the loss falls" is checkable, and reports tokens/s (8 x 1024 input
 positions per update, over the sum of the timed updates' seconds) and the Torch allocator peak. Methods: full (FP32 masters), lora (FP32
 base), qlora (NF4 double-quantized base, fused kernels when available). Ours records each
-micro-batch shape's kernels as a CUDA graph (profile cuda_graphs=True, the same bits as eager)
-and runs the adapters' products through the fused kernels (adapter_kernel="fused"); the flag
-`:eager` measures the eager loop instead, `:torch` the adapters' torch ops. The record holds
-both sides and their ratios.
+micro-batch shape's kernels as a CUDA graph (profile cuda_graphs=True, the same bits as eager),
+runs the adapters' products through the fused kernels (adapter_kernel="fused") and RMSNorm, RoPE
+and the head's cross-entropy through theirs (layer_kernel="fused"); the flag `:eager` measures
+the eager loop instead, `:torch` the adapters' torch ops, `:torch-layers` the layers' torch ops.
+The record holds both sides and their ratios.
 """
 import argparse
 import gc
@@ -82,11 +83,13 @@ def data(vocab: int):
 
 
 def parse(combo: str) -> tuple[str, str, dict]:
-    """'model:method[:eager][:torch]' -> (model, method, profile choices besides the BF16 policy)."""
+    """'model:method[:eager][:torch][:torch-layers]' -> (model, method, profile choices besides
+    the BF16 policy)."""
     model, method, *flags = combo.split(":")
-    assert set(flags) <= {"eager", "torch"}, combo
+    assert set(flags) <= {"eager", "torch", "torch-layers"}, combo
     return model, method, {"cuda_graphs": "eager" not in flags,
-                           "adapter_kernel": "torch" if "torch" in flags or method == "full" else "fused"}
+                           "adapter_kernel": "torch" if "torch" in flags or method == "full" else "fused",
+                           "layer_kernel": "torch" if "torch-layers" in flags else "fused"}
 
 
 def select(base, method, choices):
@@ -139,10 +142,11 @@ def ours(combo: str, steps=10, warmup=3) -> dict:
     return result
 
 
-def peer(combos: list[str], out: Path) -> dict:
+def peer(combos: list[str], out: Path, steps: int) -> dict:
     """The peer's results, run in a child process in its own (non-deterministic) default mode."""
     env = {k: v for k, v in os.environ.items() if k != "CUBLAS_WORKSPACE_CONFIG"}
-    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "peer.py"), str(out), *combos], env=env)
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "peer.py"), str(out), *combos, "--steps", str(steps)],
+                   env=env)
     if not out.exists():
         return {}
     rows = json.loads(out.read_text()).get("results", [])
@@ -184,7 +188,7 @@ def main():
                         "targets": TARGETS, "precision": "bfloat16", "steps": a.steps},
               "rows": []}
     peer_combos = list(dict.fromkeys(":".join(c.split(":")[:2]) for c in combos))   # in order, once each
-    peers = {} if a.no_peer else peer(peer_combos, out.with_name(out.stem + "-peer.json"))
+    peers = {} if a.no_peer else peer(peer_combos, out.with_name(out.stem + "-peer.json"), a.steps)
     for combo in combos:
         model, method, choices = parse(combo)
         try:

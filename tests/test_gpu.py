@@ -183,7 +183,8 @@ def test_fused_matches_host_tiled_and_counts_its_copy(tiny_path, data):
     ("float32", "lora", "host_tiled", "float16"), ("nf4_double_quant", "lora", "fused", "bfloat16"),
     ("nf4", "lora_fa", "fused", "float16"), ("nf4", "tinylora", "fused", "float32"),
     ("float32", "rslora", "host_tiled", "bfloat16"), ("float32", "lora", "host_tiled+fused", "bfloat16"),
-    ("nf4_double_quant", "lora_fa", "fused+fused", "float16"), ("float32", "tinylora", "host_tiled+fused", "float32")])
+    ("nf4_double_quant", "lora_fa", "fused+fused", "float16"), ("float32", "tinylora", "host_tiled+fused", "float32"),
+    ("float32", "full", "host_tiled+torch+fused", "bfloat16"), ("nf4_double_quant", "lora", "fused+fused+fused", "bfloat16")])
 def test_cuda_graphs_replay_the_eager_bits(tiny_path, data, tmp_path, monkeypatch, storage, method, kernel,
                                            precision):
     """Recorded graphs give the eager run's bits, with micro-batches of several padded lengths,
@@ -192,9 +193,9 @@ def test_cuda_graphs_replay_the_eager_bits(tiny_path, data, tmp_path, monkeypatc
     tr, va = data
     base = gen.import_model(tiny_path, device=DEV)
     src = select(base, storage, method)
-    kernel, adapter = (kernel + "+torch").split("+")[:2]         # nf4_kernel[+adapter_kernel]
+    kernel, adapter, layer = (kernel + "+torch+torch").split("+")[:3]   # nf4_kernel[+adapter_kernel[+layer_kernel]]
     kw = dict(micro_batch=2, accumulation=2, rate=1e-3, seed=4)
-    profile = dict(precision=precision, nf4_kernel=kernel, adapter_kernel=adapter)
+    profile = dict(precision=precision, nf4_kernel=kernel, adapter_kernel=adapter, layer_kernel=layer)
     eager = src.with_training_profile(**profile).fine_tune(tr, va, steps=4, **kw)
     replays, shapes = [], []
     replay, call = torch.cuda.CUDAGraph.replay, graphs.Graphed.__call__
@@ -214,27 +215,44 @@ def test_cuda_graphs_replay_the_eager_bits(tiny_path, data, tmp_path, monkeypatc
     assert resumed.training_profile()["cuda_graphs"] and tensors_equal(four, resumed)
 
 
-@pytest.mark.parametrize("method", ["lora", "rslora", "lora_fa", "tinylora"])
-@pytest.mark.parametrize("precision", ["float32", "bfloat16"])
-def test_fused_adapters_agree_with_torch_ops(tiny_path, data, method, precision):
-    """adapter_kernel='fused' trains what the torch ops train, up to FP32 summation order (and,
-    under BF16, one rounding of base + delta instead of two), and repeats its own bits."""
+def fused_against_torch_ops(tiny_path, data, method, precision, choice):
+    """(fused, reference): 3 updates with `choice`='fused' and with the torch ops; the fused run
+    repeats its own bits, and both agree on losses within FP32 (2e-2 under FP16/BF16)."""
     tr, va = data
     src = select(gen.import_model(tiny_path, device=DEV), "float32", method)
     kw = dict(steps=3, micro_batch=2, rate=1e-3, seed=5)
     ref = src.with_training_profile(precision=precision).fine_tune(tr, va, **kw)
-    fused = src.with_training_profile(precision=precision, adapter_kernel="fused")
+    fused = src.with_training_profile(precision=precision, **{choice: "fused"})
     a, b = fused.fine_tune(tr, va, **kw), fused.fine_tune(tr, va, **kw)
     assert tensors_equal(a, b) and a._state.losses == b._state.losses
     loss_tol = 1e-5 if precision == "float32" else 2e-2
     assert np.allclose(a._state.losses, ref._state.losses, rtol=loss_tol, atol=0)
     assert np.isclose(a.validation_loss(), ref.validation_loss(), rtol=loss_tol, atol=0)
+    return a, ref
+
+
+@pytest.mark.parametrize("method", ["lora", "rslora", "lora_fa", "tinylora"])
+@pytest.mark.parametrize("precision", ["float32", "bfloat16"])
+def test_fused_adapters_agree_with_torch_ops(tiny_path, data, method, precision):
+    """adapter_kernel='fused' trains what the torch ops train, up to FP32 summation order (and,
+    under BF16, one rounding of base + delta instead of two), and repeats its own bits."""
+    a, ref = fused_against_torch_ops(tiny_path, data, method, precision, "adapter_kernel")
     if precision == "float32":
         # Under BF16 a gradient entry near zero may change sign with the rounding of the sum,
         # and AdamW's first steps move every entry by about the rate either way: losses only.
         for k in ref._trainable_names():
             x, y = a._adapter_tensors[k], ref._adapter_tensors[k]
             assert (x - y).abs().max() <= 1e-3 * y.abs().max(), k
+
+
+@pytest.mark.parametrize("method", ["full", "lora"])
+@pytest.mark.parametrize("precision", ["float32", "float16", "bfloat16"])
+def test_fused_layers_agree_with_torch_ops(tiny_path, data, method, precision):
+    """layer_kernel='fused' trains what the torch ops train, up to FP32 summation order in the
+    norms and the loss (and, under FP16/BF16, the projections' input gradients summed in that
+    dtype and SwiGLU's single rounding), and repeats its own bits."""
+    a, ref = fused_against_torch_ops(tiny_path, data, method, precision, "layer_kernel")
+    assert a._state.losses != ref._state.losses or precision == "float32"   # the fused path did run
 
 
 def test_cuda_graphs_refuse_host_tiles(tiny_path):

@@ -11,7 +11,7 @@ from aner.errors import DataError
 def test_defaults(base):
     p = base.training_profile()
     assert p == {"precision": "float32", "optimizer": "adamw", "nf4_kernel": "host_tiled", "page_bytes": 2097152,
-                 "cuda_graphs": False, "adapter_kernel": "torch", "master_dtype": "float32", "loss_scale": None}
+                 "cuda_graphs": False, "adapter_kernel": "torch", "layer_kernel": "torch", "master_dtype": "float32", "loss_scale": None}
     assert base.memory_summary().compute_dtype == "float32"
     assert base.with_training_profile().training_profile() == p
 
@@ -25,6 +25,8 @@ def test_defaults(base):
     (dict(cuda_graphs=True), "needs a CUDA device"), (dict(cuda_graphs="yes"), "cuda_graphs='yes'"),
     (dict(adapter_kernel="triton"), "adapter_kernel='triton' is not supported; accepted: torch, fused"),
     (dict(adapter_kernel="fused"), "adapter_kernel='fused' runs GPU kernels and needs a CUDA device"),
+    (dict(layer_kernel="triton"), "layer_kernel='triton' is not supported; accepted: torch, fused"),
+    (dict(layer_kernel="fused"), "layer_kernel='fused' runs GPU kernels and needs a CUDA device"),
 ])
 def test_refusals(base, kw, message):
     with pytest.raises(ConfigError, match=message):

@@ -159,10 +159,48 @@ def _prmt_lookup_asm() -> str:
 _PRMT_LOOKUP = tl.constexpr(_prmt_lookup_asm())
 
 
+def _table_lookup_asm(cvt: str) -> str:
+    """PTX for one 32-bit code word (8 codes of ONE NF4 block) and that block's absmax -> the 8
+    products, rounded to a 16-bit float by `cvt` (cvt.rn.bf16x2.f32 or cvt.rn.f16x2.f32).
+
+    A block's weights take only 16 values, round(code_i * absmax): they are made once (16 FP32
+    multiplies, 8 packed roundings) and split into a low-byte and a high-byte plane of four
+    registers each. A block's 8 words share one absmax register, so the compiler keeps one table
+    per block and thread. The lookup is the byte-permute scheme of `_prmt_lookup_asm` on two
+    planes instead of four: the word's nibbles are swapped pairwise so that selector nibble j is
+    the code of element j (byte k holds element 2k in its high nibble), and two `prmt` pair the
+    looked-up bytes into 16-bit words. Same bits as decoding to FP32, multiplying and rounding
+    each element. Outputs $0..$7: elements 0..7; $8 the code word; $9 the absmax.
+    """
+    bits = NF4_CODEBOOK.view(torch.int32).tolist()
+    lines = [".reg .b32 x, s, ms, m, pl, ph, a, b, c80, P<4>;", ".reg .f32 f<16>;",
+             ".reg .b32 B<8>, L<4>, H<4>;", "mov.b32 c80, 0x8000;"]
+    lines += [f"mov.b32 f{i}, {bits[i]:#x}; mul.rn.f32 f{i}, f{i}, $9;" for i in range(16)]
+    lines += [f"{cvt} B{q}, f{2 * q + 1}, f{2 * q};" for q in range(8)]           # B_q = (v_2q, v_2q+1)
+    lines += [f"prmt.b32 L{q}, B{2 * q}, B{2 * q + 1}, 0x6420; prmt.b32 H{q}, B{2 * q}, B{2 * q + 1}, 0x7531;"
+              for q in range(4)]                                                   # planes of v_4q..v_4q+3
+    lines += ["shr.b32 a, $8, 4; and.b32 a, a, 0x0F0F0F0F;", "shl.b32 b, $8, 4; and.b32 b, b, 0xF0F0F0F0;",
+              "or.b32 x, a, b;"]                                                   # nibble j = code of element j
+    for half in range(2):                                                          # elements 0..3, then 4..7
+        lines += ["shr.b32 x, x, 16;"] if half else []
+        lines += ["and.b32 s, x, 0x7777;", "shr.b32 ms, x, 3;", "and.b32 ms, ms, 0x1111;",
+                  "or.b32 ms, ms, 0x8888;", "prmt.b32 m, c80, 0, ms;",           # byte j: 0xFF where code >= 8
+                  "prmt.b32 a, L0, L1, s;", "prmt.b32 b, L2, L3, s;", "lop3.b32 pl, b, a, m, 0xE4;",
+                  "prmt.b32 a, H0, H1, s;", "prmt.b32 b, H2, H3, s;", "lop3.b32 ph, b, a, m, 0xE4;",
+                  f"prmt.b32 P{2 * half}, pl, ph, 0x5140;", f"prmt.b32 P{2 * half + 1}, pl, ph, 0x7362;"]
+    lines += [f"mov.b32 {{${2 * q}, ${2 * q + 1}}}, P{q};" for q in range(4)]
+    return "{\n" + "\n".join(lines) + "\n}"
+
+
+_TABLE_BF16 = tl.constexpr(_table_lookup_asm("cvt.rn.bf16x2.f32"))
+_TABLE_F16 = tl.constexpr(_table_lookup_asm("cvt.rn.f16x2.f32"))
+_TABLE_IO = tl.constexpr("=h," * 8 + "r,r")
+
+
 @triton.jit
 def _nf4_byte_values(byte, nf4cb, LUT: tl.constexpr):
     """Code bytes -> (value of the high nibble, value of the low nibble), FP32."""
-    if LUT == 2:
+    if LUT >= 2:
         return tl.inline_asm_elementwise(_PRMT_LOOKUP, "=r,=r,=r,=r,=r,=r,=r,=r,r", [byte],
                                          dtype=(tl.float32, tl.float32), is_pure=True, pack=4)
     else:
@@ -198,8 +236,8 @@ def _decode_any(codes, absmax, acodes, ascales, aoffset, nf4cb, dyncb, rows, row
 
 @triton.jit
 def _decode_k64(codes, absmax, acodes, ascales, aoffset, nf4cb, dyncb, rows, row_mask, grp0, K,
-                R: tl.constexpr, G: tl.constexpr, DQ: tl.constexpr, LUT: tl.constexpr):
-    """Fast path for K % 64 == 0: rows x columns [64 * grp0, 64 * (grp0 + G)) -> (R, 64 G) FP32.
+                R: tl.constexpr, G: tl.constexpr, DQ: tl.constexpr, LUT: tl.constexpr, DT: tl.constexpr):
+    """Fast path for K % 64 == 0: rows x columns [64 * grp0, 64 * (grp0 + G)) -> (R, 64 G) in DT.
 
     Each row's 64-column group is exactly one NF4 block (b = row * K/64 + group) stored in 32
     bytes, so the tile loads 32 bytes per block, one absmax per block, and splits nibbles.
@@ -209,23 +247,39 @@ def _decode_k64(codes, absmax, acodes, ascales, aoffset, nf4cb, dyncb, rows, row
     mask = row_mask[:, None] & (g < KG)[None, :]                        # (R, G)
     blk = rows.to(tl.int64)[:, None] * KG + g[None, :]                  # (R, G) NF4 block ids
     am = _block_absmax(blk, mask, absmax, acodes, ascales, aoffset, dyncb, DQ)[:, :, None]
-    byte_ofs = blk[:, :, None] * 32 + tl.arange(0, 32)[None, None, :]  # (R, G, 32)
-    byte = tl.load(codes + byte_ofs, mask=mask[:, :, None], other=0)
-    hi, lo = _nf4_byte_values(byte, nf4cb, LUT)                         # even, odd elements
-    return tl.reshape(tl.join(hi * am, lo * am), (R, G * 64))          # (R, G, 32, 2) -> (R, 64 G)
+    if LUT == 3 and DT != tl.float32:
+        # 8 words of 8 codes per block: each word is decoded whole with its own block's absmax.
+        words = codes.to(tl.pointer_type(tl.int32)) + blk[:, :, None] * 8 + tl.arange(0, 8)[None, None, :]
+        word = tl.load(words, mask=mask[:, :, None], other=0)                   # (R, G, 8)
+        if DT == tl.bfloat16:
+            v = tl.inline_asm_elementwise(_TABLE_BF16, _TABLE_IO, [word, am], dtype=(tl.bfloat16,) * 8,
+                                          is_pure=True, pack=1)
+        else:
+            v = tl.inline_asm_elementwise(_TABLE_F16, _TABLE_IO, [word, am], dtype=(tl.float16,) * 8,
+                                          is_pure=True, pack=1)
+        # join's new axis is the last: (R, G, 8, a, b, c) holds element 4a + 2b + c of each word
+        e = tl.join(tl.join(tl.join(v[0], v[4]), tl.join(v[2], v[6])),
+                    tl.join(tl.join(v[1], v[5]), tl.join(v[3], v[7])))
+        return tl.reshape(e, (R, G * 64))
+    else:
+        byte_ofs = blk[:, :, None] * 32 + tl.arange(0, 32)[None, None, :]  # (R, G, 32)
+        byte = tl.load(codes + byte_ofs, mask=mask[:, :, None], other=0)
+        hi, lo = _nf4_byte_values(byte, nf4cb, LUT)                     # even, odd elements
+        return tl.reshape(tl.join(hi * am, lo * am), (R, G * 64)).to(DT)  # (R, G, 32, 2) -> (R, 64 G)
 
 
 @triton.jit
 def _decode_tile(codes, absmax, acodes, ascales, aoffset, nf4cb, dyncb, rows, row_mask, col0, K,
                  R: tl.constexpr, C: tl.constexpr, FAST: tl.constexpr, DQ: tl.constexpr,
-                 LUT: tl.constexpr):
-    """Weight rows `rows` x columns col0 .. col0 + C - 1 -> (R, C) FP32 (FAST: col0 % 64 == 0)."""
+                 LUT: tl.constexpr, DT: tl.constexpr):
+    """Weight rows `rows` x columns col0 .. col0 + C - 1 -> (R, C) in the matmul operand dtype DT
+    (FAST: col0 % 64 == 0)."""
     if FAST:
         return _decode_k64(codes, absmax, acodes, ascales, aoffset, nf4cb, dyncb, rows, row_mask,
-                           col0 // 64, K, R, C // 64, DQ, LUT)
+                           col0 // 64, K, R, C // 64, DQ, LUT, DT)
     else:
         return _decode_any(codes, absmax, acodes, ascales, aoffset, nf4cb, dyncb, rows, row_mask,
-                           col0 + tl.arange(0, C), K, DQ, LUT)
+                           col0 + tl.arange(0, C), K, DQ, LUT).to(DT)
 
 
 @triton.jit
@@ -270,7 +324,7 @@ def _nf4_matmul_kernel(x, y, part, codes, absmax, acodes, ascales, aoffset, nf4c
         offs_k = k0 + tl.arange(0, BK)
         xt = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & (offs_k < K)[None, :], other=0.0)
         w = _decode_tile(codes, absmax, acodes, ascales, aoffset, nf4cb, dyncb, offs_n, n_mask, k0, K,
-                         BN, BK, FAST, DQ, LUT).to(xt.dtype)             # (BN, BK), x's dtype
+                         BN, BK, FAST, DQ, LUT, xt.dtype)                # (BN, BK), x's dtype
         if SWAP:
             acc = tl.dot(w, tl.trans(xt), acc, input_precision="ieee", out_dtype=tl.float32)
         else:
@@ -312,7 +366,7 @@ def _nf4_matmul_t_kernel(g, dx, part, codes, absmax, acodes, ascales, aoffset, n
         n_mask = offs_n < N
         gt = tl.load(g_rows + offs_n[None, :], mask=m_mask[:, None] & n_mask[None, :], other=0.0)
         w = _decode_tile(codes, absmax, acodes, ascales, aoffset, nf4cb, dyncb, offs_n, n_mask,
-                         pid_k * BK, K, BN, BK, FAST, DQ, LUT).to(gt.dtype)   # (BN, BK)
+                         pid_k * BK, K, BN, BK, FAST, DQ, LUT, gt.dtype)      # (BN, BK), g's dtype
         if SWAP:
             acc = tl.dot(tl.trans(w), tl.trans(gt), acc, input_precision="ieee", out_dtype=tl.float32)
         else:
@@ -348,7 +402,8 @@ class TileConfig:
     features). split: parts of the reduced dimension (K forward, N input gradient), summed by a
     second kernel in order. lut, the codebook lookup: 0 gather (a global load per element),
     1 select tree, 2 byte permutes on whole code bytes where K % 64 == 0 (inline PTX: GPU only;
-    elsewhere the select tree). swap: weight as MMA operand A."""
+    elsewhere the select tree), 3 as 2 but FP16/BF16 operands come from a per-block table of
+    the 16 rounded products (FP32 operands as 2). swap: weight as MMA operand A."""
     bm: int
     bn: int
     bk: int
@@ -356,7 +411,7 @@ class TileConfig:
     group_m: int = 8
     num_warps: int = 4
     num_stages: int = 3
-    lut: int = 2
+    lut: int = 3
     swap: bool = False
 
     def check(self):
@@ -365,11 +420,11 @@ class TileConfig:
             if v < 16 or v & (v - 1):
                 raise ConfigError(f"TileConfig.{name}={v} must be a power of two >= 16")
         if self.split < 1 or self.group_m < 1 or self.num_warps not in (1, 2, 4, 8, 16) \
-                or self.num_stages < 1 or self.lut not in (0, 1, 2):
+                or self.num_stages < 1 or self.lut not in (0, 1, 2, 3):
             raise ConfigError(f"{self} has a value outside split >= 1, group_m >= 1, num_warps in "
-                              f"1..16 (power of two), num_stages >= 1, lut in (0, 1, 2)")
-        if self.lut == 2 and INTERPRETING:
-            raise ConfigError(f"{self}: lut=2 runs inline PTX, which Triton's interpreter cannot; use lut=1")
+                              f"1..16 (power of two), num_stages >= 1, lut in (0, 1, 2, 3)")
+        if self.lut >= 2 and INTERPRETING:
+            raise ConfigError(f"{self}: lut={self.lut} runs inline PTX, which Triton's interpreter cannot; use lut=1")
 
 
 def _pow2_at_least(n: int, lo: int) -> int:
@@ -410,7 +465,7 @@ def default_config(op: str, M: int, N: int, K: int, dtype: torch.dtype) -> TileC
     else:
         split = _split(-(-M // bm) * -(-K // bk), -(-N // bn))
     return TileConfig(bm=bm, bn=bn, bk=bk, split=split, num_warps=warps, num_stages=stages, swap=swap,
-                      lut=1 if INTERPRETING else 2)
+                      lut=1 if INTERPRETING else 3)
 
 
 # ----------------------------------------------------------------------------- launchers

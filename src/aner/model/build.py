@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from . import names
-from .llama import Block, Dense, Llama, RMSNorm
+from .llama import Block, Dense, Llama, RMSNorm, rope, swiglu
 
 
 def weight_module(weight, device_copy=None) -> nn.Module:
@@ -19,15 +19,20 @@ def weight_module(weight, device_copy=None) -> nn.Module:
 
 
 def build(config, weights: dict, method=None, adapter_tensors: dict | None = None,
-          device_copies: dict | None = None, adapter_kernel: str = "torch") -> Llama:
+          device_copies: dict | None = None, adapter_kernel: str = "torch", layer_kernel: str = "torch") -> Llama:
     """`device_copies`: name -> GPU copy of a packed weight, for the fused NF4 kernels;
-    `adapter_kernel`: the training profile's choice for the adapters' products."""
+    `adapter_kernel`, `layer_kernel`: the training profile's choices for the adapters' products
+    and for RMSNorm, RoPE, SwiGLU (and, in the loss, the head's cross-entropy)."""
     table = names.expected(config)
     device_copies = device_copies or {}
+    norm, rotate, gate = RMSNorm, rope, swiglu
+    if layer_kernel == "fused":
+        from ..kernels.layer import FusedRMSNorm, rope as rotate, swiglu as gate  # noqa: F811 Triton only when chosen
+        norm = FusedRMSNorm
     modules = {}
     for name, (path, role, _) in table.items():
         w = weights[name]
-        modules[name] = RMSNorm(w, config.rms_eps) if role == "norm" else weight_module(w, device_copies.get(name))
+        modules[name] = norm(w, config.rms_eps) if role == "norm" else weight_module(w, device_copies.get(name))
     if method is not None:
         for target in method.config.targets:
             modules[target] = method.wrap(target, modules[target], adapter_tensors, adapter_kernel == "fused")
@@ -35,6 +40,6 @@ def build(config, weights: dict, method=None, adapter_tensors: dict | None = Non
     for i in range(config.n_layer):
         per = {path.split(".")[-1]: modules[name] for name, (path, _, _) in table.items()
                if name.startswith(f"blk.{i}.")}
-        layers.append(Block(config, per))
+        layers.append(Block(config, per, rotate, gate))
     output = modules.get("output.weight")
     return Llama(config, modules["token_embd.weight"], layers, modules["output_norm.weight"], output)

@@ -32,6 +32,8 @@ class Dense(nn.Module):
         self.weight = weight
 
     def forward(self, x):
+        if torch.is_autocast_enabled(x.device.type):
+            return F.linear(x, self.weight)  # autocast casts it, once per forward if it is trained
         return F.linear(x, self.weight.to(x.dtype))
 
     def lookup(self, tokens):
@@ -73,10 +75,21 @@ def apply_rope(x, cos, sin):
     return x * cos + swapped * sin
 
 
+def rope(x, cos, sin, out_dtype):
+    """apply_rope rounded to out_dtype: what attention takes (a fused kernel may stand in)."""
+    return apply_rope(x, cos, sin).to(out_dtype)
+
+
+def swiglu(gate, up):
+    """The feed-forward's gate: silu(gate) * up (a fused kernel may stand in)."""
+    return F.silu(gate) * up
+
+
 class Block(nn.Module):
-    def __init__(self, config: LlamaConfig, modules: dict[str, nn.Module]):
+    def __init__(self, config: LlamaConfig, modules: dict[str, nn.Module], rope=rope, swiglu=swiglu):
         super().__init__()
         self.config = config
+        self.rope, self.swiglu = rope, swiglu
         for name, module in modules.items():  # attn_norm, attn_q ... ffn_down (names.PER_LAYER)
             self.add_module(name, module)
 
@@ -86,7 +99,7 @@ class Block(nn.Module):
         q = self.attn_q(x).view(B, T, c.n_head, c.head_dim).transpose(1, 2)     # (B, H, T, E)
         k = self.attn_k(x).view(B, T, c.n_kv_head, c.head_dim).transpose(1, 2)  # (B, K, T, E)
         v = self.attn_v(x).view(B, T, c.n_kv_head, c.head_dim).transpose(1, 2)  # (B, K, T, E)
-        q, k = apply_rope(q, cos, sin).to(v.dtype), apply_rope(k, cos, sin).to(v.dtype)
+        q, k = self.rope(q, cos, sin, v.dtype), self.rope(k, cos, sin, v.dtype)
         # enable_gqa maps query head h to key/value head h // (H/K), as llama.cpp does.
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
                                            enable_gqa=c.n_kv_head != c.n_head)  # (B, H, T, E)
@@ -94,7 +107,7 @@ class Block(nn.Module):
         return self.attn_output(y)
 
     def mlp(self, x):
-        return self.ffn_down(F.silu(self.ffn_gate(x)) * self.ffn_up(x))
+        return self.ffn_down(self.swiglu(self.ffn_gate(x), self.ffn_up(x)))
 
     def forward(self, x, cos, sin):
         # The residual stream is FP32: adding a FP16/BF16 projection output promotes it exactly

@@ -12,17 +12,34 @@ window's scored tokens), or the FP16 loss scale, which therefore reaches the hea
 low-precision backward as before. As a tensor it can change between replays of a recorded CUDA
 graph (`graphs.py`). Unscored positions carry the ignore index: their terms and gradients are
 exactly zero, with no host synchronisation and no gather. Chunk boundaries depend only on the
-vocabulary size, so results are a pure function of the inputs.
+vocabulary size and the profile, so results are a pure function of the inputs. With
+layer_kernel="fused" one kernel makes a chunk's loss and its logits' gradient, which overwrites
+the logits in their own dtype: no FP32 copy exists, and a chunk holds twice the positions under
+FP16/BF16.
 """
 import torch
 import torch.nn.functional as F
 
+from ..model.llama import Dense
+
 IGNORE = -100                  # target index of unscored positions
-CHUNK_BYTES = 256 << 20        # FP32 logits of one chunk: at most 256 MiB (at least one position)
+CHUNK_BYTES = 256 << 20        # logits of one chunk: at most 256 MiB (at least one position)
 
 
-def chunk_positions(vocab: int) -> int:
-    return max(1, CHUNK_BYTES // (4 * vocab))
+def chunk_positions(vocab: int, itemsize: int = 4) -> int:
+    """Positions per chunk: FP32 logits (itemsize 4), or with the fused cross-entropy the
+    logits in the operand dtype, which its gradient then overwrites."""
+    return max(1, CHUNK_BYTES // (itemsize * vocab))
+
+
+def _chunk_head(head, profile):
+    """The head as every chunk calls it. A frozen dense head is cast to the operand dtype here,
+    once: autocast caches the casts of trainable leaves only and would otherwise cast the whole
+    (V, D) matrix again for each chunk. The same bits either way."""
+    w = getattr(head, "weight", None)
+    if type(head) is Dense and profile.precision != "float32" and not w.requires_grad:
+        return Dense(w.to(profile.compute_dtype))
+    return head
 
 
 def batch(examples, device):
@@ -54,7 +71,7 @@ def summed_loss(model, examples, device, profile) -> torch.Tensor:
     inputs, targets = batch(examples, device)
     with profile.autocast(device):
         h = model.hidden(inputs).flatten(0, 1)                # (N, D), FP32
-        targets, head = targets.flatten(), model.head()
+        targets, head = targets.flatten(), _chunk_head(model.head(), profile)
         step = chunk_positions(model.config.vocab_size)
         total = torch.zeros((), device=h.device)
         for s in range(0, h.shape[0], step):
@@ -66,23 +83,38 @@ def gradients(model, leaves: list, profile, inputs, targets, scale: torch.Tensor
     """One micro-batch (inputs, targets) from `batch`: (loss, grads), the FP32 summed cross-entropy
     (detached) and the gradients of scale x loss with respect to `leaves`, in their order."""
     with profile.autocast(inputs.device.type):
-        h = model.hidden(inputs).flatten(0, 1)                # (N, D), FP32
-        head, step = model.head(), chunk_positions(model.config.vocab_size)
-        objective, loss = _HeadLoss.apply(h, targets.flatten(), head, step, scale, *_trainable(head))
+        h = model.hidden(inputs).flatten(0, 1)                # (N, D), FP32 (the operand dtype: fused norm)
+        head, fused = _chunk_head(model.head(), profile), profile.layer_kernel == "fused"
+        itemsize = torch.finfo(profile.compute_dtype).bits // 8 if fused else 4
+        step = chunk_positions(model.config.vocab_size, itemsize)
+        objective, loss = _HeadLoss.apply(h, targets.flatten(), head, step, scale, fused, *_trainable(head))
     return loss, torch.autograd.grad(objective, leaves)
+
+
+def _fused_chunk(head, hc, targets, scale, weights):
+    """The chunk's summed loss and the gradients of scale x it, the logits' gradient made by one
+    kernel (`kernels/cross_entropy.py`) in the logits' dtype, as the cast's backward gave it. The
+    gradient overwrites the logits: no head's backward reads its own output."""
+    from ..kernels.cross_entropy import cross_entropy_grad
+    logits = head(hc)                                         # (chunk, V), the operand dtype
+    loss, dlogits = cross_entropy_grad(logits.detach(), targets, scale, IGNORE, out=logits.detach())
+    return loss, torch.autograd.grad(logits, [hc, *weights], dlogits)
 
 
 class _HeadLoss(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h, targets, head, step, scale, *weights):
+    def forward(ctx, h, targets, head, step, scale, fused, *weights):
         grad_h = torch.empty_like(h)
         grad_w = [torch.zeros_like(w) for w in weights]
         total = torch.zeros((), device=h.device)
         for s in range(0, h.shape[0], step):
             with torch.enable_grad():
                 hc = h[s:s + step].detach().requires_grad_(True)
-                loss = _cross_entropy(head, hc, targets[s:s + step])
-                grads = torch.autograd.grad(loss * scale, [hc, *weights])
+                if fused:
+                    loss, grads = _fused_chunk(head, hc, targets[s:s + step], scale, weights)
+                else:
+                    loss = _cross_entropy(head, hc, targets[s:s + step])
+                    grads = torch.autograd.grad(loss * scale, [hc, *weights])
             grad_h[s:s + step] = grads[0]
             for acc, g in zip(grad_w, grads[1:]):
                 acc += g                                      # FP32, chunk order
@@ -95,4 +127,4 @@ class _HeadLoss(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, g, _):
         grad_h, *grad_w = ctx.saved_tensors
-        return (grad_h * g, None, None, None, None, *(w * g for w in grad_w))
+        return (grad_h * g, None, None, None, None, None, *(w * g for w in grad_w))

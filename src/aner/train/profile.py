@@ -10,6 +10,18 @@
     cuda_graphs false | true                  replay each micro-batch shape's recorded kernels
                                               (`graphs.py`): the same bits, without the host's
                                               per-kernel cost; the recording keeps its memory
+    layer_kernel torch | fused                how RMSNorm, RoPE, SwiGLU and the head's cross-
+                                              entropy run on a GPU: torch ops, or Triton kernels
+                                              that read and write each activation once
+                                              (`kernels/layer.py`, `kernels/cross_entropy.py`).
+                                              RoPE gives the same bits; RMSNorm sums its squares
+                                              in another order and hands the projections its
+                                              output already in the operand dtype (rounded once,
+                                              as the casts did), so the gradients of q, k, v
+                                              (gate, up) meet in that dtype; SwiGLU rounds once
+                                              where the torch ops round silu(gate) first; the
+                                              loss is the same FP32 formula, its reductions in
+                                              another order
 
 Mixed precision is an operation policy, not a conversion: master weights, their gradients, the
 Adam moments, RMSNorm, RoPE, softmax and the loss stay FP32; only projection and attention matrix
@@ -27,6 +39,7 @@ PRECISIONS = {"float32": torch.float32, "float16": torch.float16, "bfloat16": to
 OPTIMIZERS = ("adamw", "paged_adamw")
 NF4_KERNELS = ("host_tiled", "fused")
 ADAPTER_KERNELS = ("torch", "fused")
+LAYER_KERNELS = ("torch", "fused")
 MIN_PAGE, MAX_PAGE, DEFAULT_PAGE = 4 << 10, 64 << 20, 2 << 20
 
 
@@ -38,6 +51,7 @@ class Profile:
     page_bytes: int = DEFAULT_PAGE
     cuda_graphs: bool = False
     adapter_kernel: str = "torch"
+    layer_kernel: str = "torch"
 
     def __post_init__(self):
         if self.precision not in PRECISIONS:
@@ -52,9 +66,10 @@ class Profile:
                               f"{MIN_PAGE} (4 KiB) to {MAX_PAGE} (64 MiB)")
         if not isinstance(self.cuda_graphs, bool):
             raise ConfigError(f"cuda_graphs={self.cuda_graphs!r} is not accepted; accepted: true or false")
-        if self.adapter_kernel not in ADAPTER_KERNELS:
-            raise ConfigError(f"adapter_kernel={self.adapter_kernel!r} is not supported; accepted: "
-                              f"{', '.join(ADAPTER_KERNELS)}")
+        for field, accepted in (("adapter_kernel", ADAPTER_KERNELS), ("layer_kernel", LAYER_KERNELS)):
+            if getattr(self, field) not in accepted:
+                raise ConfigError(f"{field}={getattr(self, field)!r} is not supported; accepted: "
+                                  f"{', '.join(accepted)}")
 
     def check_placement(self, device: str, storage: str) -> None:
         """Refuse combinations this build cannot run; never substitute another."""
@@ -70,7 +85,7 @@ class Profile:
         if self.cuda_graphs and storage != "float32" and self.nf4_kernel == "host_tiled":
             raise ConfigError("cuda_graphs=True cannot record nf4_kernel='host_tiled', which copies host "
                               "tiles on every call; use nf4_kernel='fused' or cuda_graphs=False")
-        for field, fallback in (("nf4_kernel", "host_tiled"), ("adapter_kernel", "torch")):
+        for field, fallback in (("nf4_kernel", "host_tiled"), ("adapter_kernel", "torch"), ("layer_kernel", "torch")):
             if getattr(self, field) != "fused":
                 continue
             if device == "cpu":

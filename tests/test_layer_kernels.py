@@ -1,0 +1,211 @@
+"""Fused RoPE, RMSNorm and SwiGLU kernels (aner.kernels.layer) against the model's torch expressions.
+
+Runs on a CUDA device, or on the CPU under Triton's interpreter (TRITON_INTERPRET=1) with small
+shapes; skips otherwise (CI has neither a GPU nor Triton).
+rope: forward and gradient bit-exact vs torch autograd through `apply_rope(x, cos, sin).to(dtype)`.
+rms_norm: vs float64 autograd of RMSNorm's expression. y within 1e-6 (FP32), 1e-3 (FP16), 8e-3
+(BF16) of |y| (FP16 also half its smallest subnormal step); dx and dweight within 1e-5 of the
+sum of absolute terms, for every dy dtype (dy is the same values for the kernel and the oracle,
+so only the FP32 arithmetic differs).
+swiglu: vs float64 autograd of silu(gate) * up; each output within 4e-6 (FP32), 1e-3 (FP16),
+8e-3 (BF16) of the sum of its terms' magnitudes (FP16 also half its smallest subnormal step).
+"""
+import pytest
+import torch
+
+from kernel_device import INTERPRET, device_or_skip
+
+DEV = device_or_skip()
+
+from aner.errors import ConfigError  # noqa: E402
+from aner.kernels.layer import rms_norm, rope, swiglu  # noqa: E402
+from aner.model.config import LlamaConfig  # noqa: E402
+from aner.model.llama import RMSNorm, apply_rope, rope_tables  # noqa: E402
+
+# The interpreter's BF16 is unreliable (numpy has no BF16): BF16 is checked on the GPU only.
+bf16_gpu_only = pytest.mark.skipif(INTERPRET, reason="the interpreter's BF16 is unreliable")
+DTYPES = [torch.float32, torch.float16, pytest.param(torch.bfloat16, marks=bf16_gpu_only)]
+
+
+def tables(n, T, E):
+    config = LlamaConfig(n_layer=1, dim=n * E, n_head=n, n_kv_head=n, ffn_dim=1, vocab_size=1,
+                         context_length=T, rms_eps=1e-5, rope_base=10000.0, tied_embeddings=True)
+    return rope_tables(config, T, DEV)
+
+
+def grad_like(shape, layout, dtype):
+    """A fresh random upstream gradient in one of the layouts autograd may hand over."""
+    B, n, T, E = shape
+    if layout == "bhte":
+        return torch.randn(B, n, T, E, device=DEV).to(dtype)
+    if layout == "bthe":                                       # SDPA-like: the transposed view
+        return torch.randn(B, T, n, E, device=DEV).to(dtype).transpose(1, 2)
+    return torch.randn((), device=DEV).to(dtype).expand(shape)  # all strides 0, as from .sum()
+
+
+ROPE_SHAPES = [(2, 3, 37, 64), (2, 3, 37, 128), (1, 2, 1, 64), (2, 2, 5, 96)]
+if not INTERPRET:
+    ROPE_SHAPES += [(4, 9, 1000, 64), (2, 32, 2048, 128)]
+
+
+@pytest.mark.parametrize("layout", ["bhte", "bthe", "expanded"])
+@pytest.mark.parametrize("same_out", [True, False], ids=["out=x", "out=f32"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", ROPE_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_rope_bit_exact(shape, dtype, same_out, layout):
+    B, n, T, E = shape
+    out_dtype = dtype if same_out else torch.float32
+    cos, sin = tables(n, T, E)
+    proj = torch.randn(B, T, n * E, device=DEV).to(dtype)     # the model's q/k projection output
+    g = grad_like(shape, layout, out_dtype)
+
+    leaf = proj.clone().requires_grad_(True)
+    want = apply_rope(leaf.view(B, T, n, E).transpose(1, 2), cos, sin).to(out_dtype)
+    want.backward(g)
+    p = proj.clone().requires_grad_(True)
+    x = p.view(B, T, n, E).transpose(1, 2)                  # (B, n, T, E), not contiguous
+    got = rope(x, cos, sin, out_dtype)
+    got.backward(g)
+
+    assert got.dtype == out_dtype and got.shape == (B, n, T, E)
+    assert [s for s, k in zip(got.stride(), got.shape) if k > 1] == \
+           [s for s, k in zip(want.stride(), want.shape) if k > 1]
+    assert torch.equal(got, want), f"{(got != want).sum().item()} of {got.numel()} outputs differ"
+    assert p.grad.dtype == dtype
+    assert torch.equal(p.grad, leaf.grad), f"{(p.grad != leaf.grad).sum().item()} gradients differ"
+
+
+RMS_D = [576, 2048, 781] + ([] if INTERPRET else [8192])
+RMS_LEAD = [(1,), (37,), (3, 100)] + ([] if INTERPRET else [(4, 1024)])
+
+
+def rms_oracle(x, w, eps, dy, w_grad):
+    """y, dx, dw (float64) of RMSNorm's expression, and the scales of dx and dw (sums of |terms|)."""
+    x64 = x.double().requires_grad_(True)
+    w64 = w.double().requires_grad_(w_grad)
+    y = x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + eps) * w64
+    y.backward(dy.double())
+    with torch.no_grad():
+        r = torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + eps)
+        gw, xhat = dy.double().abs() * w64.abs(), x64.abs() * r
+        dx_scale = r * (gw + xhat * (gw * xhat).mean(-1, keepdim=True))
+        dw_scale = (dy.double().abs() * xhat).reshape(-1, x.shape[-1]).sum(0)
+    return y.detach(), x64.grad, w64.grad, dx_scale, dw_scale
+
+
+@pytest.mark.parametrize("w_grad", [True, False], ids=["w_grad", "frozen_w"])
+@pytest.mark.parametrize("out_dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("lead", RMS_LEAD, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("D", RMS_D)
+def test_rms_norm(D, lead, out_dtype, w_grad):
+    eps = 1e-5
+    x = torch.randn(*lead, D, device=DEV) * 3
+    w = 1 + 0.3 * torch.randn(D, device=DEV)
+    dy = torch.randn(*lead, D, device=DEV).to(out_dtype)
+    y64, dx64, dw64, dx_scale, dw_scale = rms_oracle(x, w, eps, dy, w_grad)
+    # The oracle is the model's expression: RMSNorm in FP32 agrees with it to FP32 accuracy.
+    assert ((RMSNorm(w, eps)(x).double() - y64).abs() <= 1e-6 * y64.abs() + 1e-30).all()
+
+    xl, wl = x.clone().requires_grad_(True), w.clone().requires_grad_(w_grad)
+    y = rms_norm(xl, wl, eps, out_dtype)
+    y.backward(dy)
+
+    tol = {torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 8e-3}[out_dtype]
+    floor = 2.0 ** -25 if out_dtype == torch.float16 else 0.0
+    assert y.dtype == out_dtype and y.shape == x.shape
+    err = (y.double() - y64).abs()
+    assert (err <= tol * y64.abs() + floor + 1e-30).all(), f"y: max rel err {(err / y64.abs()).max().item():.3g}"
+    err = (xl.grad.double() - dx64).abs()
+    assert xl.grad.dtype == torch.float32 and (err <= 1e-5 * dx_scale + 1e-30).all(), \
+        f"dx: max err/scale {(err / dx_scale).max().item():.3g}"
+    if w_grad:
+        err = (wl.grad.double() - dw64).abs()
+        assert wl.grad.dtype == torch.float32 and (err <= 1e-5 * dw_scale + 1e-30).all(), \
+            f"dw: max err/scale {(err / dw_scale).max().item():.3g}"
+    else:
+        assert wl.grad is None
+
+
+@pytest.mark.parametrize("rows", [300] if INTERPRET else [300, 8192])
+def test_rms_norm_deterministic(rows):
+    """Two runs give the same bits for y, dx and dw (several rows per dw partial)."""
+    x, w = torch.randn(rows, 781, device=DEV), torch.randn(781, device=DEV)
+    dy = torch.randn(rows, 781, device=DEV)
+    runs = []
+    for _ in range(2):
+        xl, wl = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+        y = rms_norm(xl, wl, 1e-6, torch.float32)
+        y.backward(dy)
+        runs.append((y.detach(), xl.grad, wl.grad))
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+
+
+TOL = {torch.float32: 4e-6, torch.float16: 1e-3, torch.bfloat16: 8e-3}
+
+
+def within(got, want64, scale64):
+    tol = TOL[got.dtype] * scale64 + (2.0 ** -25 if got.dtype == torch.float16 else 0) + 1e-30
+    err = (got.double() - want64).abs()
+    assert (err <= tol).all(), f"{got.dtype}: worst {(err / tol).max().item():.3g} of the bound"
+
+
+@pytest.mark.parametrize("dtypes", [(torch.float32,) * 2, (torch.float16,) * 2,
+                                    pytest.param((torch.bfloat16,) * 2, marks=bf16_gpu_only),
+                                    pytest.param((torch.float32, torch.bfloat16), marks=bf16_gpu_only)],
+                         ids=lambda d: "-".join(str(t)[6:] for t in d))
+@pytest.mark.parametrize("shape", [(37, 96), (3, 1000), (1,)] + ([] if INTERPRET else [(8192, 1536)]),
+                         ids=lambda s: "x".join(map(str, s)))
+def test_swiglu(shape, dtypes):
+    gate = (3 * torch.randn(shape, device=DEV)).to(dtypes[0]).requires_grad_(True)
+    up = torch.randn(shape, device=DEV).to(dtypes[1]).requires_grad_(True)
+    y = swiglu(gate, up)
+    assert y.dtype == torch.promote_types(*dtypes) and y.shape == gate.shape
+    dy = torch.randn(shape, device=DEV).to(y.dtype)
+    y.backward(dy)
+    a, b, g = (t.detach().double().requires_grad_(True) for t in (gate, up, dy))
+    s = torch.sigmoid(a)
+    want = torch.nn.functional.silu(a) * b
+    want.backward(g)
+    within(y.detach(), want.detach(), (a * s * b).abs().detach())
+    within(gate.grad, a.grad, (g * b * s).abs().detach() * (1 + (a * (1 - s)).abs().detach()))
+    within(up.grad, b.grad, (g * a * s).abs().detach())
+
+
+def test_errors():
+    cos, sin = tables(2, 5, 64)
+    x = torch.randn(1, 2, 5, 64, device=DEV)
+    with pytest.raises(ConfigError, match="float32, float16 or bfloat16"):
+        rope(x.double(), cos, sin, torch.float32)
+    with pytest.raises(ConfigError, match="float32, float16 or bfloat16"):
+        rope(x, cos, sin, torch.float64)
+    with pytest.raises(ConfigError, match=r"\(B, n, T, E\)"):
+        rope(x[0], cos, sin, torch.float32)
+    with pytest.raises(ConfigError, match="E=63 is odd"):
+        rope(x[..., :63], cos[:, :63].contiguous(), sin[:, :63].contiguous(), torch.float32)
+    with pytest.raises(ConfigError, match="stride 1"):
+        rope(x.transpose(2, 3).contiguous().transpose(2, 3), cos, sin, torch.float32)
+    with pytest.raises(ConfigError, match=r"float32 \(5, 64\) contiguous"):
+        rope(x, cos[:4], sin, torch.float32)
+    with pytest.raises(ConfigError, match=r"float32 \(5, 64\) contiguous"):
+        rope(x, cos, sin.half(), torch.float32)
+    with pytest.raises(ConfigError, match="same device"):
+        rope(x, cos, sin.to("meta"), torch.float32)
+
+    x, w = torch.randn(3, 100, device=DEV), torch.randn(100, device=DEV)
+    with pytest.raises(ConfigError, match="float32 both"):
+        rms_norm(x.half(), w, 1e-5, torch.float16)
+    with pytest.raises(ConfigError, match="float32, float16 or bfloat16"):
+        rms_norm(x, w, 1e-5, torch.float64)
+    with pytest.raises(ConfigError, match=r"\(\.\.\., D\) and \(D,\)"):
+        rms_norm(x, w[:99], 1e-5, torch.float32)
+    with pytest.raises(ConfigError, match="contiguous"):
+        rms_norm(torch.randn(100, 3, device=DEV).t(), w, 1e-5, torch.float32)
+    with pytest.raises(ConfigError, match="same device"):
+        rms_norm(x, w.to("meta"), 1e-5, torch.float32)
+
+    with pytest.raises(ConfigError, match="float32, float16 or bfloat16"):
+        swiglu(x.double(), x)
+    with pytest.raises(ConfigError, match="the same shape"):
+        swiglu(x, x[:2])
+    with pytest.raises(ConfigError, match="contiguous"):
+        swiglu(x.t(), x.t())
