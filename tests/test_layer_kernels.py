@@ -76,7 +76,7 @@ def test_rope_bit_exact(shape, dtype, same_out, layout):
 
 
 RMS_D = [576, 2048, 781] + ([] if INTERPRET else [8192])
-RMS_LEAD = [(1,), (37,), (3, 100)] + ([] if INTERPRET else [(4, 1024)])
+RMS_LEAD = [(1,), (37,), (3, 100), (601,)] + ([] if INTERPRET else [(4, 1024)])   # 601: a last program of 1 row
 
 
 def rms_oracle(x, w, eps, dy, w_grad):

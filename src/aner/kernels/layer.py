@@ -141,7 +141,7 @@ def _rms_backward_kernel(dy, x, w, r, dx, part, M, D, ROWS: tl.constexpr, HAS_DW
     mask = d < D
     wv = tl.load(w + d, mask=mask, other=0.0)
     acc = tl.zeros((BD,), dtype=tl.float32)
-    # A constexpr trip count (one compile per ROWS): the interpreter cannot run a runtime bound.
+    # A constexpr trip count: the interpreter cannot run a runtime bound.
     for i in range(0, ROWS):
         row = pid * ROWS + i
         if row < M:
@@ -181,8 +181,10 @@ class _RMSNorm(torch.autograd.Function):
         M, D = x2d.shape
         bd = triton.next_power_of_2(D)
         has_dw = ctx.needs_input_grad[1]
-        per = triton.cdiv(M, TARGET_PROGRAMS) if M else 1       # rows per program
-        programs = max(1, triton.cdiv(M, per))                  # a fixed function of M
+        # Rows per program: a power of two, so a run with many micro-batch shapes compiles a
+        # handful of variants (one per ROWS), not one per row count; a fixed function of M.
+        per = triton.next_power_of_2(triton.cdiv(M, TARGET_PROGRAMS)) if M else 1
+        programs = max(1, triton.cdiv(M, per))
         dx = torch.empty_like(x2d)
         part = torch.zeros(programs, D, device=x2d.device, dtype=torch.float32) if has_dw else None
         if M:
