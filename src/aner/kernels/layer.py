@@ -186,7 +186,7 @@ class _RMSNorm(torch.autograd.Function):
         per = triton.next_power_of_2(triton.cdiv(M, TARGET_PROGRAMS)) if M else 1
         programs = max(1, triton.cdiv(M, per))
         dx = torch.empty_like(x2d)
-        part = torch.zeros(programs, D, device=x2d.device, dtype=torch.float32) if has_dw else None
+        part = torch.empty(programs, D, device=x2d.device, dtype=torch.float32) if has_dw else None
         if M:
             _rms_backward_kernel[(programs,)](
                 dy.contiguous(), x2d, weight, r, dx, x2d if part is None else part, M, D, ROWS=per,

@@ -447,7 +447,7 @@ def default_config(op: str, M: int, N: int, K: int, dtype: torch.dtype) -> TileC
         # "ieee" FP32 dots run on the FMA units: small tiles keep registers in check.
         bm, bn, bk, warps, stages, swap = min(64, _pow2_at_least(M, 16)), 64, 64, 4, 2, False
     else:
-        # The fastest measured on the H200 (benchmarks/results/2026-11-30-h200-nf4-kernels-prmt.json):
+        # The fastest measured on the H200 (benchmarks/results/2026-12-01-h200-nf4-kernels-table.json):
         # from 256 tokens, 256-token tiles with the decoded weight as MMA operand A; from 128,
         # 128-token tiles, the input gradient with the weight as operand A, the forward as B. The
         # general decode (K % 64 != 0) keeps 128 tokens and operand B: it spills at 256.
