@@ -287,30 +287,34 @@ def test_progress_is_silent_without_a_terminal(base, data, capsys):
     assert out.out == "" and out.err == ""
 
 
-def test_adamw_follows_torch_and_grouping_changes_no_bit(monkeypatch):
-    """Our AdamW is torch.optim.AdamW's update (within FP32 rounding of sqrt(v / c2) against
-    sqrt(v) / sqrt(c2)), and splitting the multi-tensor launches into other groups changes no bit."""
-    from aner.train import optim
-    shapes = {"a": (7, 5), "b": (300,), "c": (64, 33)}
+def test_adamw_is_torch_fused_adamw_bitwise_and_pages_change_no_bit():
+    """Our AdamW is torch.optim.AdamW(fused=True)'s update bit for bit, also for a transposed
+    gradient (as an adapter factor's often is), and updating a tensor in slices of 1024 elements
+    (the paged optimizer's pages) changes no bit."""
+    from aner.train.optim import AdamW, step_count
+    shapes = {"a": (7, 5), "b": (3000,), "c": (64, 33)}
     params = {k: torch.randn(s) for k, s in shapes.items()}
-    grouped = {k: v.clone() for k, v in params.items()}
+    paged = {k: v.clone() for k, v in params.items()}
     ref = {k: v.clone().requires_grad_(True) for k, v in params.items()}
-    torch_opt = torch.optim.AdamW(list(ref.values()), lr=1e-2, weight_decay=0.1, foreach=False)
-    ours = optim.AdamW(1e-2, weight_decay=0.1)
-    moments, moments_grouped = ours.init_moments(params), ours.init_moments(grouped)
+    torch_opt = torch.optim.AdamW(list(ref.values()), lr=1e-2, weight_decay=0.1, fused=True)
+    ours = AdamW(1e-2, weight_decay=0.1)
+    moments, moments_paged = ours.init_moments(params), ours.init_moments(paged)
     for t in range(1, 6):
-        grads = {k: torch.randn(s) for k, s in shapes.items()}
+        grads = {k: torch.randn(s) * 10 ** torch.randn(s) for k, s in shapes.items()}
+        grads["c"] = torch.randn(33, 64).t()                          # not contiguous
         for k, p in ref.items():
-            p.grad = grads[k].clone()
+            p.grad = grads[k].clone(memory_format=torch.contiguous_format)   # its CPU kernel needs it
         torch_opt.step()
         ours.step(params, grads, moments, t)
-        with monkeypatch.context() as m:
-            m.setattr(optim, "GROUP_ELEMENTS", 40)  # every tensor in a group of its own
-            assert len(optim.groups(sorted(grouped), grouped)) == 3
-            ours.step(grouped, grads, moments_grouped, t)
+        for k in shapes:
+            flat = [x.view(-1) if x.is_contiguous() else x.contiguous().view(-1)
+                    for x in (paged[k], grads[k], *moments_paged[k])]
+            for s in range(0, flat[0].numel(), 1024):
+                ours.update(*([x[s:s + 1024]] for x in flat), step_count(t, "cpu"))
     for k in shapes:
-        torch.testing.assert_close(params[k], ref[k].detach(), rtol=1e-6, atol=1e-7)
-        assert torch.equal(params[k], grouped[k])
+        assert torch.equal(params[k], ref[k].detach())
+        assert torch.equal(params[k], paged[k])
+        assert all(torch.equal(a, b) for a, b in zip(moments[k], moments_paged[k]))
 
 
 def test_clipping_uses_the_float64_global_norm():

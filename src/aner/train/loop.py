@@ -164,8 +164,8 @@ def run(model, params: dict, trainable: dict, method, training, validation, stat
             if not fp16:
                 break
             if all_finite(grads):
-                for g in grads.values():
-                    g.div_(scale.scale * window_tokens)  # unscale: power of two times an integer, exact
+                # unscale: one division by scale x tokens (a power of two times an integer: exact)
+                torch._foreach_div_(list(grads.values()), scale.scale * window_tokens)
                 break
             scale = scale.overflowed(state.updates + 1)
         if method is not None:

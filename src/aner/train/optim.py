@@ -1,33 +1,19 @@
-"""AdamW on FP32 masters and FP32 moments, written out so every operation is fixed and visible.
+"""AdamW on FP32 masters and FP32 moments: torch.optim.AdamW(fused=True)'s update, by its kernel.
 
-The update is torch.optim.AdamW's (decoupled weight decay, bias-corrected moments):
     m = b1 m + (1 - b1) g;  v = b2 v + (1 - b2) g^2
-    p -= lr * (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps) + lr * wd * p
-Every operation is elementwise and runs as one multi-tensor (`torch._foreach_*`) launch over a
-group of tensors: on CUDA that is a handful of launches per update instead of ten per tensor,
-and each element still sees the same operations in the same order, so the result does not
-depend on how tensors are grouped or chunked. The paged optimizer relies on that: updating a
-tensor in page-sized slices gives the same bits as updating it whole. On the CPU the multi-tensor
-calls run the per-tensor operations.
+    p = p (1 - lr wd) - (lr / (1 - b1^t)) m / (sqrt(v) / sqrt(1 - b2^t) + eps)
+
+`torch._fused_adamw_` reads each parameter, gradient and moment once and writes parameter and
+moments once: one pass where the equivalent multi-tensor ops make eight, in one multi-tensor
+launch on CUDA and one threaded loop on the CPU. Every element sees the same operations whatever
+the list of tensors, its order or the thread count; a tensor may be updated in slices that start
+at multiples of 1024 elements (the paged optimizer's pages) with the same bits. (On the CPU a
+slice starting elsewhere moves an element between the vector loop and its scalar tail, which
+rounds v differently; nothing here slices that way.)
 """
 from dataclasses import dataclass
 
 import torch
-
-GROUP_ELEMENTS = 1 << 26    # at most 64 Mi elements (256 MiB of FP32) of moments per launch group
-
-
-def groups(names: list[str], params: dict) -> list[list[str]]:
-    """Consecutive runs of `names` holding at most GROUP_ELEMENTS elements each (a larger tensor
-    is a group of its own): bounds the temporary of the denominator to one group."""
-    out, size = [], 0
-    for n in names:
-        if not out or size + params[n].numel() > GROUP_ELEMENTS:
-            out.append([])
-            size = 0
-        out[-1].append(n)
-        size += params[n].numel()
-    return out
 
 
 @dataclass(frozen=True)
@@ -38,29 +24,31 @@ class AdamW:
     weight_decay: float = 0.0
 
     @torch.no_grad()
-    def update(self, ps: list, gs: list, ms: list, vs: list, t: int) -> None:
-        """One AdamW update of (slices of) parameters and their moments, in place."""
-        b1, b2 = self.betas
-        c1, c2 = 1 - b1 ** t, 1 - b2 ** t
-        torch._foreach_mul_(ms, b1)
-        torch._foreach_add_(ms, gs, alpha=1 - b1)
-        torch._foreach_mul_(vs, b2)
-        torch._foreach_addcmul_(vs, gs, gs, value=1 - b2)
-        if self.weight_decay:
-            torch._foreach_mul_(ps, 1 - self.rate * self.weight_decay)
-        denom = torch._foreach_div(vs, c2)
-        torch._foreach_sqrt_(denom)
-        torch._foreach_add_(denom, self.eps)
-        torch._foreach_addcdiv_(ps, ms, denom, value=-self.rate / c1)
+    def update(self, ps: list, gs: list, ms: list, vs: list, t: torch.Tensor) -> None:
+        """One AdamW update of (slices of) parameters and their moments, in place; t is the update
+        number (1-based) as a 0-dim FP32 tensor on their device (`step_count`). The kernel walks
+        flat memory: parameters and moments must be contiguous, and gradients are made so (an
+        adapter factor's gradient is often a transposed view)."""
+        assert all(x.is_contiguous() for x in (*ps, *ms, *vs)), "AdamW state must be contiguous"
+        gs = [g.contiguous() for g in gs]
+        torch._fused_adamw_(ps, gs, ms, vs, [], [t] * len(ps), lr=self.rate, beta1=self.betas[0],
+                            beta2=self.betas[1], weight_decay=self.weight_decay, eps=self.eps,
+                            amsgrad=False, maximize=False)
 
     def init_moments(self, params: dict) -> dict:
         return {n: (torch.zeros_like(p), torch.zeros_like(p)) for n, p in params.items()}
 
     def step(self, params: dict, grads: dict, moments: dict, t: int) -> None:
         """Update `params` and `moments` in place for update number `t` (1-based)."""
-        for group in groups(sorted(params), params):
-            self.update([params[n] for n in group], [grads[n] for n in group],
-                        [moments[n][0] for n in group], [moments[n][1] for n in group], t)
+        names = sorted(params)
+        if names:
+            self.update([params[n] for n in names], [grads[n] for n in names], [moments[n][0] for n in names],
+                        [moments[n][1] for n in names], step_count(t, params[names[0]].device))
+
+
+def step_count(t: int, device) -> torch.Tensor:
+    """The update number as the fused kernel reads it: FP32 (exact up to 2^24 updates)."""
+    return torch.full((), float(t), dtype=torch.float32, device=device)
 
 
 @torch.no_grad()

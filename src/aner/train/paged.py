@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .optim import AdamW
+from .optim import AdamW, step_count
 
 
 @dataclass(frozen=True)
@@ -39,6 +39,7 @@ class PagedAdamW:
         bufs = [(torch.empty(step, device=self.device), torch.empty(step, device=self.device)) for _ in range(2)]
         loaded = [torch.cuda.Event() for _ in range(2)]
         computed = [torch.cuda.Event() for _ in range(2)]
+        count = step_count(t, self.device)
         side.wait_stream(main)  # gradients are complete before any chunk moves
 
         def load(k):
@@ -57,7 +58,7 @@ class PagedAdamW:
                 load(k + 1)  # the side stream issued chunk k-1's write-back first, so its buffer is free
             main.wait_event(loaded[b])
             bm, bv = bufs[b]
-            self.adamw.update([params[name].view(-1)[s:e]], [grads[name].view(-1)[s:e]], [bm[:e - s]], [bv[:e - s]], t)
+            self.adamw.update([params[name].view(-1)[s:e]], [grads[name].view(-1)[s:e]], [bm[:e - s]], [bv[:e - s]], count)
             computed[b].record(main)
             m, v = moments[name]
             with torch.cuda.stream(side):

@@ -1,0 +1,101 @@
+"""One AdamW update of a full fine-tuning's FP32 parameters: ours against torch.optim.AdamW.
+
+    python benchmarks/adamw.py OUT.json [--device cpu|cuda:0] [--models smollm2-135m ...] [--updates N]
+
+Every weight of a model of the real shape (`throughput.MODELS`) is trainable, with a fixed random
+gradient. Three optimizers update their own copy: ours (`aner.train.optim.AdamW`), and the peer's
+two settings, torch.optim.AdamW with foreach=True (the multi-tensor ops; ours before it used the
+fused kernel) and with fused=True. Each warms up with one update, then N timed updates (device
+synchronised); the record gives the median seconds per update, the ratios, and whether ours
+equals fused=True bit for bit after all updates (it must: the same kernel).
+"""
+import argparse
+import datetime
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from throughput import MODELS  # (it also puts src/ on the path)
+
+from aner.model import names  # noqa: E402
+from aner.model.config import LlamaConfig  # noqa: E402
+from aner.train.optim import AdamW  # noqa: E402
+
+RATE, DECAY = 1e-4, 0.01
+
+
+def shapes(model: str) -> list[tuple[int, ...]]:
+    n_layer, dim, n_head, n_kv, ffn, vocab, tied, rope = MODELS[model]
+    config = LlamaConfig(n_layer, dim, n_head, n_kv, ffn, vocab, 8192, 1e-5, rope, tied)
+    return [shape for _, _, shape in names.expected(config).values()]
+
+
+def timed(update, device: str, n: int) -> list[float]:
+    update()                                                   # warmup: allocations, first launch
+    out = []
+    for _ in range(n):
+        if device != "cpu":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        update()
+        if device != "cpu":
+            torch.cuda.synchronize(device)
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def measure(model: str, device: str, n: int) -> dict:
+    g = torch.Generator(device=device).manual_seed(0)
+    made = [(torch.randn(s, device=device, generator=g), torch.randn(s, device=device, generator=g))
+            for s in shapes(model)]
+    ours = {f"w{i}": p.clone() for i, (p, _) in enumerate(made)}
+    grads = {f"w{i}": gr for i, (_, gr) in enumerate(made)}
+    adamw = AdamW(RATE, weight_decay=DECAY)
+    moments, t = adamw.init_moments(ours), [0]
+
+    def step_ours():
+        t[0] += 1
+        adamw.step(ours, grads, moments, t[0])
+
+    seconds, peers = {"ours": timed(step_ours, device, n)}, {}
+    for setting in ("foreach", "fused"):
+        params = [p.clone().requires_grad_(True) for p, _ in made]
+        for p, (_, gr) in zip(params, made):
+            p.grad = gr
+        opt = torch.optim.AdamW(params, lr=RATE, weight_decay=DECAY, **{setting: True})
+        seconds[setting] = timed(opt.step, device, n)
+        peers[setting] = params
+    equal = all(torch.equal(ours[f"w{i}"], p.detach()) for i, p in enumerate(peers["fused"]))
+    median = {k: statistics.median(v) for k, v in seconds.items()}
+    return {"model": model, "parameters": sum(p.numel() for p in ours.values()),
+            "seconds_per_update": median, "all_seconds": seconds,
+            "foreach_over_ours": median["foreach"] / median["ours"],
+            "fused_over_ours": median["fused"] / median["ours"],
+            "ours_equals_fused_bitwise": equal}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("out", type=Path)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--models", nargs="+", default=["smollm2-135m"], choices=sorted(MODELS))
+    ap.add_argument("--updates", type=int, default=5)
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    rows = [measure(m, args.device, args.updates) for m in args.models]
+    record = {"benchmark": "adamw", "date": datetime.date.today().isoformat(), "device": args.device,
+              "host": platform.platform(), "torch": torch.__version__, "threads": torch.get_num_threads(),
+              "gpu": torch.cuda.get_device_name(args.device) if args.device != "cpu" else None,
+              "rate": RATE, "weight_decay": DECAY, "timed_updates": args.updates, "rows": rows}
+    args.out.write_text(json.dumps(record, indent=1) + "\n")
+    for r in rows:
+        print(f"{r['model']}: ours {r['seconds_per_update']['ours'] * 1e3:.1f} ms, foreach x{r['foreach_over_ours']:.2f}, "
+              f"fused x{r['fused_over_ours']:.2f}, equal to fused: {r['ours_equals_fused_bitwise']}")
+
+
+if __name__ == "__main__":
+    main()
