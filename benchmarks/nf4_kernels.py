@@ -9,6 +9,7 @@ Ratios are to the dense BF16 product of the same shape: `x @ w.t()` forward, `g 
 gradient. Several tile configurations run in the same call so the best can be picked later; the
 row marked `default` is what default_config() chooses. --quick: the N=K=4096 points only.
 """
+import dataclasses
 import datetime
 import itertools
 import json
@@ -27,9 +28,11 @@ C = K.TileConfig
 
 
 def label(c: K.TileConfig) -> str:
-    """A variant's name, e.g. 256x128x64w8s3-split2-prmt-swap (lut 3, the product table, unnamed)."""
+    """A variant's name, e.g. 256x128x64w8s3-split2-prmt-swap (lut 3, the product table, and
+    FP32 products on the tensor cores unnamed; -fma: FP32 multiply-adds)."""
     return (f"{c.bm}x{c.bn}x{c.bk}w{c.num_warps}s{c.num_stages}" + (f"-split{c.split}" if c.split > 1 else "")
-            + {0: "-gather", 1: "-select", 2: "-prmt", 3: ""}[c.lut] + ("-swap" if c.swap else ""))
+            + {0: "-gather", 1: "-select", 2: "-prmt", 3: ""}[c.lut] + ("-swap" if c.swap else "")
+            + ("" if c.tc else "-fma"))
 
 
 # Tile variants per (op, regime); "default" is added from default_config().
@@ -133,6 +136,9 @@ def run_problem(N, Kin, M, sweep, dtype, rows, dev):
         variants = {"default": default}
         if dtype != torch.float32:
             variants.update((label(c), c) for c in VARIANTS[(op, regime)] if sweep or label(c) in SHORTLIST)
+        else:
+            fma = dataclasses.replace(default, tc=False)
+            variants[label(fma)] = fma
         launch = K.nf4_matmul if op == "matmul" else K.nf4_matmul_t
         arg = "x" if op == "matmul" else "g"
         ref, scale = (ref_y, scale_y) if op == "matmul" else (ref_dx, scale_dx)
@@ -183,7 +189,7 @@ def main():
         if quick and (N, Kin) != (4096, 4096):
             continue
         run_problem(N, Kin, M, sweep, torch.bfloat16, rows, dev)
-    run_problem(4096, 4096, 2048, False, torch.float32, rows, dev)       # FP32 ("ieee"), for information
+    run_problem(4096, 4096, 2048, False, torch.float32, rows, dev)       # FP32: tensor cores and FMAs
     print("\nbest per problem (ratio to dense; * = default):")
     keyf = lambda r: (r["N"], r["K"], r["M"], r["dtype"], r["op"])      # noqa: E731
     ours = [r for r in rows if r["impl"] == "aner-nf4" and r.get("ok")]

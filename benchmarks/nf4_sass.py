@@ -3,8 +3,9 @@
     PYTHONPATH=src python3 benchmarks/nf4_sass.py [M N K]      (default 8192 2048 2048, BF16)
 
 Needs Triton (its wheel carries ptxas and cuobjdump), not a GPU. For the default configuration
-of both kernels at that shape and a few alternatives it prints registers, stack (spills) and
-the instructions of the main loop (the longest backward branch around an HGMMA) by opcode.
+of both kernels at that shape and a few alternatives (BF16, then FP32 operands with and without
+the tensor cores) it prints registers, stack (spills) and the instructions of the main loop (the
+longest backward branch around an HGMMA) by opcode.
 The loop's length times the warps over the 4 schedulers of a multiprocessor, against the
 tensor-core cycles of bm x bn x bk MACs (~2048 BF16 MACs a cycle on an H100/H200 SM), says
 whether a variant is decode-bound before any GPU time is spent.
@@ -35,7 +36,7 @@ def compile_kernel(op: str, cfg: K.TileConfig, M: int, N: int, Kin: int, dtype="
     per = -(-steps // cfg.split)
     consts = dict(STEPS_PER_SPLIT=per, BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, GROUP_M=cfg.group_m,
                   SPLIT=-(-steps // per), FAST=Kin % 64 == 0 and cfg.bk % 64 == 0, DQ=double_quant,
-                  LUT=cfg.lut, SWAP=cfg.swap)
+                  LUT=cfg.lut, SWAP=cfg.swap, TC=cfg.tc)
     pointers = {"x": dtype, "y": dtype, "g": dtype, "dx": dtype, "part": "fp32", "codes": "u8",
                 "absmax": "u8" if double_quant else "fp32", "acodes": "u8",
                 "ascales": "fp32" if double_quant else "u8", "aoffset": "fp32" if double_quant else "u8",
@@ -88,6 +89,10 @@ def main():
             print(f"{op:8} {name:12} {cfg.bm}x{cfg.bn}x{cfg.bk} w{cfg.num_warps} s{cfg.num_stages}: "
                   f"{w} weight elements a thread a step | {loop_report(compile_kernel(op, cfg, M, N, Kin))}",
                   flush=True)
+        default = K.default_config(op, M, N, Kin, torch.float32)
+        for name, cfg in (("FP32", default), ("FP32 FMA", dataclasses.replace(default, tc=False))):
+            print(f"{op:8} {name:12} {cfg.bm}x{cfg.bn}x{cfg.bk} w{cfg.num_warps} s{cfg.num_stages}: "
+                  f"{loop_report(compile_kernel(op, cfg, M, N, Kin, dtype='fp32'))}", flush=True)
 
 
 if __name__ == "__main__":

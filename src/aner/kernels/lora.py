@@ -13,9 +13,9 @@ for 2 * r multiply-adds of work. Here three kernels cover forward and backward:
 
 Each reads its (M, N) operand once in its own dtype (FP32, FP16 or BF16) and computes its
 products to FP32 accuracy, as the adapter policy requires: on the tensor cores through exact BF16
-parts of the FP32 values, summed in FP32 (`_fp32_dot`; measured on the H200 at several times the
-FP32 multiply-add rate), or with FP32 multiply-adds (`Tiles(tc=False)`). No TF32. `expand` rounds
-its output once. Reductions over a long dimension are split into a fixed number of parts that a
+parts of the FP32 values, summed in FP32 (`fp32.fp32_dot`; measured on the H200 at several times
+the FP32 multiply-add rate), or with FP32 multiply-adds (`Tiles(tc=False)`). No TF32. `expand`
+rounds its output once. Reductions over a long dimension are split into a fixed number of parts that a
 second kernel sums in order. Tiles and splits are fixed functions of the shapes: the same inputs
 give the same bits on every run. The pure-torch reference is the unfused path in `aner.adapters`.
 """
@@ -25,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .fp32 import fp32_dot
 from .splits import sum_splits
 
 TARGET_PROGRAMS = 264   # two programs per multiprocessor on an H200/H100 SXM
@@ -34,51 +35,12 @@ TARGET_PROGRAMS = 264   # two programs per multiprocessor on an H200/H100 SXM
 class Tiles:
     """One launch's tiles: bm rows (tokens) x bn columns; split: parts of the reduced dimension
     of project and reduce_tokens (0: enough parts for TARGET_PROGRAMS programs); tc: products on
-    the tensor cores through BF16 parts (`_fp32_dot`), else FP32 FMAs."""
+    the tensor cores through BF16 parts (`fp32.fp32_dot`), else FP32 FMAs."""
     bm: int
     bn: int
     warps: int = 4
     split: int = 0
     tc: bool = True
-
-
-@triton.jit
-def _bf16_parts(x):
-    """FP32 x -> BF16 (hi, mid, lo) with hi + mid + lo == x: each part rounds what is left."""
-    hi = x.to(tl.bfloat16)
-    rest = x - hi.to(tl.float32)                    # exact
-    mid = rest.to(tl.bfloat16)
-    lo = (rest - mid.to(tl.float32)).to(tl.bfloat16)
-    return hi, mid, lo
-
-
-@triton.jit
-def _fp32_dot(a, b, acc, A_BF16: tl.constexpr, TC: tl.constexpr):
-    """acc + a (X, Y) @ b (Y, Z) to FP32 accuracy; b holds FP32 values, a FP32/FP16 values, or
-    BF16 values when A_BF16.
-
-    TC 0: FP32 fused multiply-adds (tl.dot "ieee"). TC 1: on the BF16 tensor cores. Each FP32
-    operand is split exactly into three BF16 parts; a product of two BF16 parts is exact in FP32,
-    and the tensor cores sum them in FP32. The six products of weight >= 2^-16 of the leading one
-    are summed, smallest first (three when a is BF16: every product); the three left out are below
-    2^-24 of it, FP32's own rounding. Several times the FMA throughput, and no TF32 anywhere.
-    """
-    if TC:
-        b_hi, b_mid, b_lo = _bf16_parts(b)
-        if A_BF16:
-            acc = tl.dot(a, b_lo, acc, out_dtype=tl.float32)
-            acc = tl.dot(a, b_mid, acc, out_dtype=tl.float32)
-            return tl.dot(a, b_hi, acc, out_dtype=tl.float32)
-        else:
-            a_hi, a_mid, a_lo = _bf16_parts(a.to(tl.float32))
-            acc = tl.dot(a_lo, b_hi, acc, out_dtype=tl.float32)
-            acc = tl.dot(a_mid, b_mid, acc, out_dtype=tl.float32)
-            acc = tl.dot(a_hi, b_lo, acc, out_dtype=tl.float32)
-            acc = tl.dot(a_mid, b_hi, acc, out_dtype=tl.float32)
-            acc = tl.dot(a_hi, b_mid, acc, out_dtype=tl.float32)
-            return tl.dot(a_hi, b_hi, acc, out_dtype=tl.float32)
-    else:
-        return tl.dot(a.to(tl.float32), b, acc, input_precision="ieee", out_dtype=tl.float32)
 
 
 @triton.jit
@@ -99,7 +61,7 @@ def _project_kernel(p, w, out, M, N, R, stride_wr, stride_wn, STEPS: tl.constexp
         pt = tl.load(p_rows + offs_n[None, :], mask=m_mask[:, None] & n_mask[None, :], other=0.0)
         wt = tl.load(w + offs_r[None, :] * stride_wr + offs_n[:, None] * stride_wn,
                      mask=n_mask[:, None] & (offs_r < R)[None, :], other=0.0)       # (BN, RP)
-        acc = _fp32_dot(pt, wt, acc, P_BF16, TC)
+        acc = fp32_dot(pt, wt, acc, P_BF16, TC)
     tl.store(out + pid_s.to(tl.int64) * M * R + offs_m.to(tl.int64)[:, None] * R + offs_r[None, :], acc,
              mask=m_mask[:, None] & (offs_r < R)[None, :])
 
@@ -119,7 +81,7 @@ def _expand_kernel(q, w, base, out, M, N, R, stride_wn, stride_wr,
                  mask=m_mask[:, None] & r_mask[None, :], other=0.0)               # (BM, RP)
     wt = tl.load(w + offs_r[:, None] * stride_wr + offs_n[None, :] * stride_wn,
                  mask=r_mask[:, None] & n_mask[None, :], other=0.0)                # (RP, BN)
-    acc = _fp32_dot(qt, wt, tl.zeros((BM, BN), dtype=tl.float32), False, TC)
+    acc = fp32_dot(qt, wt, tl.zeros((BM, BN), dtype=tl.float32), False, TC)
     ofs = offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
     mask = m_mask[:, None] & n_mask[None, :]
     if HAS_BASE:
@@ -145,7 +107,7 @@ def _reduce_tokens_kernel(p, q, part, M, N, R, STEPS: tl.constexpr,
         rows = offs_m.to(tl.int64)[:, None]
         pt = tl.load(p + rows * N + offs_n[None, :], mask=m_mask[:, None] & n_mask[None, :], other=0.0)
         qt = tl.load(q + rows * R + offs_r[None, :], mask=m_mask[:, None] & r_mask[None, :], other=0.0)
-        acc = _fp32_dot(tl.trans(pt), qt, acc, P_BF16, TC)
+        acc = fp32_dot(tl.trans(pt), qt, acc, P_BF16, TC)
     tl.store(part + pid_s.to(tl.int64) * N * R + offs_n[:, None] * R + offs_r[None, :], acc,
              mask=n_mask[:, None] & r_mask[None, :])
 

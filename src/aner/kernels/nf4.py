@@ -15,8 +15,9 @@ Numerics (identical to NF4Weight.dequantize(), bit for bit):
                                          enable_fp_fusion=False so the compiler never fuses
                                          them into an FMA (which would round once, not twice).
   matmul operand = w rounded to x's dtype (round to nearest even) for FP16/BF16, w for FP32.
-  products accumulate in FP32 (tl.dot, out_dtype FP32); FP32 inputs use input_precision
-  "ieee" (true FP32, no TF32), as the library's precision policy disables TF32.
+  products accumulate in FP32 (tl.dot, out_dtype FP32). FP32 operands get products to FP32
+  accuracy, never TF32 (the library's precision policy): on the BF16 tensor cores through exact
+  BF16 parts (`fp32.fp32_dot`, as the adapter kernels), or with FP32 multiply-adds (tc=False).
 
 The decoded weight exists only as a tile in registers/shared memory inside a matmul program:
 there is no dense copy of W on the device. Nothing uses atomics or autotuning: each output
@@ -33,6 +34,7 @@ import triton.language as tl
 
 from ..errors import ConfigError
 from ..quant.nf4 import ABSMAX_BLOCK, DYNAMIC8_CODEBOOK, NF4_BLOCK, NF4_CODEBOOK, NF4Weight
+from .fp32 import fp32_dot
 from .splits import sum_splits
 
 # The kernels shift instead of dividing: flat >> 6 is the NF4 block, block >> 8 its scale.
@@ -293,6 +295,15 @@ def _tile_ids(M_TILES, O_TILES, GROUP_M: tl.constexpr):
     return first_m + (pid % per_group) % size_m, (pid % per_group) // size_m
 
 
+@triton.jit
+def _dot(a, b, acc, TC: tl.constexpr):
+    """acc + a @ b, accumulated in FP32: FP16/BF16 operands as they are, FP32 ones to FP32
+    accuracy (`fp32_dot`: BF16 parts on the tensor cores with TC, else FP32 multiply-adds)."""
+    if a.dtype == tl.float32:
+        return fp32_dot(a, b, acc, False, TC)
+    return tl.dot(a, b, acc, out_dtype=tl.float32)
+
+
 # ----------------------------------------------------------------------------- kernels
 
 @triton.jit
@@ -300,7 +311,7 @@ def _nf4_matmul_kernel(x, y, part, codes, absmax, acodes, ascales, aoffset, nf4c
                        M, N, K, STEPS_PER_SPLIT: tl.constexpr,
                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
                        SPLIT: tl.constexpr, FAST: tl.constexpr, DQ: tl.constexpr, LUT: tl.constexpr,
-                       SWAP: tl.constexpr):
+                       SWAP: tl.constexpr, TC: tl.constexpr):
     """y (M, N) = x (M, K) @ W^T; program (tile, s) sums K steps [s, s + 1) * STEPS_PER_SPLIT of BK.
 
     SWAP computes the transposed tile W x^T, so the decoded weight is the register operand (A)
@@ -326,9 +337,9 @@ def _nf4_matmul_kernel(x, y, part, codes, absmax, acodes, ascales, aoffset, nf4c
         w = _decode_tile(codes, absmax, acodes, ascales, aoffset, nf4cb, dyncb, offs_n, n_mask, k0, K,
                          BN, BK, FAST, DQ, LUT, xt.dtype)                # (BN, BK), x's dtype
         if SWAP:
-            acc = tl.dot(w, tl.trans(xt), acc, input_precision="ieee", out_dtype=tl.float32)
+            acc = _dot(w, tl.trans(xt), acc, TC)
         else:
-            acc = tl.dot(xt, tl.trans(w), acc, input_precision="ieee", out_dtype=tl.float32)
+            acc = _dot(xt, tl.trans(w), acc, TC)
     if SWAP:
         acc = tl.trans(acc)                                             # (BN, BM) -> (BM, BN)
     out_mask = m_mask[:, None] & n_mask[None, :]
@@ -344,7 +355,7 @@ def _nf4_matmul_t_kernel(g, dx, part, codes, absmax, acodes, ascales, aoffset, n
                          M, N, K, STEPS_PER_SPLIT: tl.constexpr,
                          BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
                          SPLIT: tl.constexpr, FAST: tl.constexpr, DQ: tl.constexpr, LUT: tl.constexpr,
-                         SWAP: tl.constexpr):
+                         SWAP: tl.constexpr, TC: tl.constexpr):
     """dx (M, K) = g (M, N) @ W; program (tile, s) sums N steps [s, s + 1) * STEPS_PER_SPLIT of BN.
 
     The output tile is (BM, BK); the decoded weight tile (BN, BK) is the B operand, or with SWAP
@@ -368,9 +379,9 @@ def _nf4_matmul_t_kernel(g, dx, part, codes, absmax, acodes, ascales, aoffset, n
         w = _decode_tile(codes, absmax, acodes, ascales, aoffset, nf4cb, dyncb, offs_n, n_mask,
                          pid_k * BK, K, BN, BK, FAST, DQ, LUT, gt.dtype)      # (BN, BK), g's dtype
         if SWAP:
-            acc = tl.dot(tl.trans(w), tl.trans(gt), acc, input_precision="ieee", out_dtype=tl.float32)
+            acc = _dot(tl.trans(w), tl.trans(gt), acc, TC)
         else:
-            acc = tl.dot(gt, w, acc, input_precision="ieee", out_dtype=tl.float32)
+            acc = _dot(gt, w, acc, TC)
     if SWAP:
         acc = tl.trans(acc)                                             # (BK, BM) -> (BM, BK)
     out_mask = m_mask[:, None] & (offs_k < K)[None, :]
@@ -403,7 +414,8 @@ class TileConfig:
     second kernel in order. lut, the codebook lookup: 0 gather (a global load per element),
     1 select tree, 2 byte permutes on whole code bytes where K % 64 == 0 (inline PTX: GPU only;
     elsewhere the select tree), 3 as 2 but FP16/BF16 operands come from a per-block table of
-    the 16 rounded products (FP32 operands as 2). swap: weight as MMA operand A."""
+    the 16 rounded products (FP32 operands as 2). swap: weight as MMA operand A. tc: FP32
+    operands' products on the tensor cores through BF16 parts, else FP32 multiply-adds."""
     bm: int
     bn: int
     bk: int
@@ -413,6 +425,7 @@ class TileConfig:
     num_stages: int = 3
     lut: int = 3
     swap: bool = False
+    tc: bool = True
 
     def check(self):
         for name in ("bm", "bn", "bk"):
@@ -425,6 +438,9 @@ class TileConfig:
                               f"1..16 (power of two), num_stages >= 1, lut in (0, 1, 2, 3)")
         if self.lut >= 2 and INTERPRETING:
             raise ConfigError(f"{self}: lut={self.lut} runs inline PTX, which Triton's interpreter cannot; use lut=1")
+        if self.tc and INTERPRETING:
+            raise ConfigError(f"{self}: tc=True multiplies BF16 parts, which Triton's interpreter gets wrong "
+                              "(numpy has no BF16); use tc=False")
 
 
 def _pow2_at_least(n: int, lo: int) -> int:
@@ -444,8 +460,12 @@ def default_config(op: str, M: int, N: int, K: int, dtype: torch.dtype) -> TileC
     """The tile configuration used when none is given: a fixed function of the problem."""
     assert op in ("matmul", "matmul_t")
     if dtype == torch.float32:
-        # "ieee" FP32 dots run on the FMA units: small tiles keep registers in check.
-        bm, bn, bk, warps, stages, swap = min(64, _pow2_at_least(M, 16)), 64, 64, 4, 2, False
+        # Six BF16 products a step (`fp32_dot`). 128-token tiles at 8 warps compile without
+        # spills where K % 64 == 0 (benchmarks/nf4_sass.py: ~715 SASS instructions a thread a
+        # step against ~1500 tensor-core cycles; the general decode's input gradient spills 120
+        # bytes, 64-token tiles more); FP32 multiply-add dots spill ~5 KB a thread.
+        bm, bn, bk, stages, swap = min(128, _pow2_at_least(M, 16)), 64, 64, 2, False
+        warps = 8 if bm >= 128 else 4
     else:
         # The fastest measured on the H200 (benchmarks/results/2026-12-01-h200-nf4-kernels-table.json):
         # from 256 tokens, 256-token tiles with the decoded weight as MMA operand A; from 128,
@@ -465,7 +485,7 @@ def default_config(op: str, M: int, N: int, K: int, dtype: torch.dtype) -> TileC
     else:
         split = _split(-(-M // bm) * -(-K // bk), -(-N // bn))
     return TileConfig(bm=bm, bn=bn, bk=bk, split=split, num_warps=warps, num_stages=stages, swap=swap,
-                      lut=1 if INTERPRETING else 3)
+                      lut=1 if INTERPRETING else 3, tc=not INTERPRETING)
 
 
 # ----------------------------------------------------------------------------- launchers
@@ -506,7 +526,7 @@ def _launch_matmul(kernel, a, packed, M, R, Q, out_cols, config, op):
     tiles = -(-M // cfg.bm) * -(-Q // (cfg.bn if op == "matmul" else cfg.bk))
     kernel[(tiles, split)](a, out, part, *packed._args(), M, N, K, STEPS_PER_SPLIT=per,
                            BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, GROUP_M=cfg.group_m, SPLIT=split,
-                           FAST=fast, DQ=packed.double_quant, LUT=cfg.lut, SWAP=cfg.swap,
+                           FAST=fast, DQ=packed.double_quant, LUT=cfg.lut, SWAP=cfg.swap, TC=cfg.tc,
                            num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False)
     if split > 1:
         sum_splits(part, out)
