@@ -125,32 +125,43 @@ def _nf4_value(nib, nf4cb, LUT: tl.constexpr):
         return tl.where(b3, t1, t0).to(tl.float32)
 
 
+def _select_ptx(codes: str) -> list[str]:
+    """PTX for the byte-permute lookup's selectors from four 4-bit codes (nibbles 0..3 of
+    `codes`): s, the selector nibbles (code & 7: an entry of a plane half); m, byte k 0xFF where
+    code k >= 8 (the upper half). Needs c80 = 0x8000 and scratch ms."""
+    return [f"and.b32 s, {codes}, 0x7777;", f"shr.b32 ms, {codes}, 3;", "and.b32 ms, ms, 0x1111;",
+            "or.b32 ms, ms, 0x8888;", "prmt.b32 m, c80, 0, ms;"]
+
+
+def _plane_ptx(out: str, plane: tuple[str, str, str, str]) -> list[str]:
+    """PTX for `out` byte k = entry (code k) of a 16-byte plane held in four registers, with s and
+    m from `_select_ptx`: a `prmt` in each half, and m picks between them. Scratch a, b."""
+    return [f"prmt.b32 a, {plane[0]}, {plane[1]}, s;", f"prmt.b32 b, {plane[2]}, {plane[3]}, s;",
+            f"lop3.b32 {out}, b, a, m, 0xE4;"]                          # (b & m) | (a & ~m)
+
+
 def _prmt_lookup_asm() -> str:
     """PTX for 4 code bytes (one register) -> their 8 NF4 values as FP32 bit patterns.
 
     Byte k holds element 2k in its high nibble and 2k + 1 in its low nibble; outputs $0..$3 are
     the high-nibble values of bytes 0..3, $4..$7 the low-nibble values; $8 is the input. The 16
     FP32 codebook values are split into four byte planes of four registers each; `prmt` picks
-    four bytes of a plane at once (selector nibble: index & 7 into entries 0..7 or 8..15), a mask
-    built from index bit 3 chooses between the halves, and eight more `prmt` per four values
-    gather the planes back into words. About 6 instructions per value instead of a 15-way select.
+    four bytes of a plane at once (`_plane_ptx`), and eight more `prmt` per four values gather
+    the planes back into words. About 6 instructions per value instead of a 15-way select.
     """
     bits = NF4_CODEBOOK.view(torch.int32).tolist()
     plane = [[sum(((bits[4 * q + i] >> (8 * j)) & 255) << (8 * i) for i in range(4))
               for q in range(4)] for j in range(4)]                      # plane[j][q]: byte j of 4q..4q+3
-    lines = [".reg .b32 x, y, s, ms, m, lo, hi, p0, p1, p2, p3, t0, t1, t2, t3, c80;",
+    lines = [".reg .b32 x, y, s, ms, m, a, b, p0, p1, p2, p3, t0, t1, t2, t3, c80;",
              "mov.b32 c80, 0x8000;"]
     lines += [f".reg .b32 T{j}{q}; mov.b32 T{j}{q}, {plane[j][q]:#x};" for j in range(4) for q in range(4)]
     for out, shift in ((0, 4), (4, 0)):                                 # high nibbles, then low
         lines += [f"shr.b32 x, $8, {shift};" if shift else "mov.b32 x, $8;",
                   "and.b32 x, x, 0x0F0F0F0F;",                          # nibbles at positions 0, 2, 4, 6
-                  "shr.b32 y, x, 12;", "or.b32 y, y, x;",               # positions 0..3 = bytes 0, 2, 1, 3
-                  "and.b32 s, y, 0x7777;",
-                  "shr.b32 ms, y, 3;", "and.b32 ms, ms, 0x1111;", "or.b32 ms, ms, 0x8888;",
-                  "prmt.b32 m, c80, 0, ms;"]                            # byte k: 0xFF where index >= 8
+                  "shr.b32 y, x, 12;", "or.b32 y, y, x;"]               # positions 0..3 = bytes 0, 2, 1, 3
+        lines += _select_ptx("y")
         for j in range(4):
-            lines += [f"prmt.b32 lo, T{j}0, T{j}1, s;", f"prmt.b32 hi, T{j}2, T{j}3, s;",
-                      f"lop3.b32 p{j}, hi, lo, m, 0xE4;"]               # (hi & m) | (lo & ~m)
+            lines += _plane_ptx(f"p{j}", tuple(f"T{j}{q}" for q in range(4)))
         lines += ["prmt.b32 t0, p0, p1, 0x5140;", "prmt.b32 t1, p2, p3, 0x5140;",
                   "prmt.b32 t2, p0, p1, 0x7362;", "prmt.b32 t3, p2, p3, 0x7362;",
                   f"prmt.b32 ${out}, t0, t1, 0x5410;", f"prmt.b32 ${out + 2}, t0, t1, 0x7632;",
@@ -185,11 +196,9 @@ def _table_lookup_asm(cvt: str) -> str:
               "or.b32 x, a, b;"]                                                   # nibble j = code of element j
     for half in range(2):                                                          # elements 0..3, then 4..7
         lines += ["shr.b32 x, x, 16;"] if half else []
-        lines += ["and.b32 s, x, 0x7777;", "shr.b32 ms, x, 3;", "and.b32 ms, ms, 0x1111;",
-                  "or.b32 ms, ms, 0x8888;", "prmt.b32 m, c80, 0, ms;",           # byte j: 0xFF where code >= 8
-                  "prmt.b32 a, L0, L1, s;", "prmt.b32 b, L2, L3, s;", "lop3.b32 pl, b, a, m, 0xE4;",
-                  "prmt.b32 a, H0, H1, s;", "prmt.b32 b, H2, H3, s;", "lop3.b32 ph, b, a, m, 0xE4;",
-                  f"prmt.b32 P{2 * half}, pl, ph, 0x5140;", f"prmt.b32 P{2 * half + 1}, pl, ph, 0x7362;"]
+        lines += _select_ptx("x")
+        lines += _plane_ptx("pl", ("L0", "L1", "L2", "L3")) + _plane_ptx("ph", ("H0", "H1", "H2", "H3"))
+        lines += [f"prmt.b32 P{2 * half}, pl, ph, 0x5140;", f"prmt.b32 P{2 * half + 1}, pl, ph, 0x7362;"]
     lines += [f"mov.b32 {{${2 * q}, ${2 * q + 1}}}, P{q};" for q in range(4)]
     return "{\n" + "\n".join(lines) + "\n}"
 
