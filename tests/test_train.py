@@ -289,16 +289,16 @@ def test_progress_is_silent_without_a_terminal(base, data, capsys):
 
 def test_adamw_is_torch_fused_adamw_bitwise_and_pages_change_no_bit():
     """Our AdamW is torch.optim.AdamW(fused=True)'s update bit for bit, also for a transposed
-    gradient (as an adapter factor's often is), and updating a tensor in slices of 1024 elements
-    (the paged optimizer's pages) changes no bit."""
+    gradient (as an adapter factor's often is); updating a tensor in slices of 1024 elements
+    (the paged optimizer's pages), or on one thread, changes no bit."""
     from aner.train.optim import AdamW, step_count
-    shapes = {"a": (7, 5), "b": (3000,), "c": (64, 33)}
+    shapes = {"a": (7, 5), "b": (300000,), "c": (64, 33)}
     params = {k: torch.randn(s) for k, s in shapes.items()}
-    paged = {k: v.clone() for k, v in params.items()}
+    paged, one_thread = ({k: v.clone() for k, v in params.items()} for _ in range(2))
     ref = {k: v.clone().requires_grad_(True) for k, v in params.items()}
     torch_opt = torch.optim.AdamW(list(ref.values()), lr=1e-2, weight_decay=0.1, fused=True)
     ours = AdamW(1e-2, weight_decay=0.1)
-    moments, moments_paged = ours.init_moments(params), ours.init_moments(paged)
+    moments, moments_paged, moments_one = (ours.init_moments(p) for p in (params, paged, one_thread))
     for t in range(1, 6):
         grads = {k: torch.randn(s) * 10 ** torch.randn(s) for k, s in shapes.items()}
         grads["c"] = torch.randn(33, 64).t()                          # not contiguous
@@ -311,10 +311,17 @@ def test_adamw_is_torch_fused_adamw_bitwise_and_pages_change_no_bit():
                     for x in (paged[k], grads[k], *moments_paged[k])]
             for s in range(0, flat[0].numel(), 1024):
                 ours.update(*([x[s:s + 1024]] for x in flat), step_count(t, "cpu"))
+        threads = torch.get_num_threads()
+        try:
+            torch.set_num_threads(1)
+            ours.step(one_thread, grads, moments_one, t)
+        finally:
+            torch.set_num_threads(threads)
     for k in shapes:
         assert torch.equal(params[k], ref[k].detach())
-        assert torch.equal(params[k], paged[k])
-        assert all(torch.equal(a, b) for a, b in zip(moments[k], moments_paged[k]))
+        for other, other_moments in ((paged, moments_paged), (one_thread, moments_one)):
+            assert torch.equal(params[k], other[k])
+            assert all(torch.equal(a, b) for a, b in zip(moments[k], other_moments[k]))
 
 
 def test_clipping_uses_the_float64_global_norm():
