@@ -1,4 +1,7 @@
 """GPU kernels, each beside the pure-torch reference it is tested against."""
+import torch
+
+FLOATS = (torch.float32, torch.float16, torch.bfloat16)    # the operand dtypes every kernel takes
 
 
 def fused_available() -> bool:
@@ -6,7 +9,6 @@ def fused_available() -> bool:
 
     Triton is imported here, on demand, never when aner is imported (CI has no Triton).
     """
-    import torch
     if not torch.cuda.is_available():
         return False
     try:

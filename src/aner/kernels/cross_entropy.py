@@ -30,9 +30,9 @@ import triton
 import triton.language as tl
 
 from ..errors import ConfigError
+from . import FLOATS
 
 BLOCK = 4096        # columns per step of a row; smaller when V is
-_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 
 
 @triton.jit
@@ -76,7 +76,7 @@ def _describe(t) -> str:
 
 
 def _check(logits, targets, scale, ignore_index, out) -> None:
-    if not isinstance(logits, torch.Tensor) or logits.dtype not in _FLOATS:
+    if not isinstance(logits, torch.Tensor) or logits.dtype not in FLOATS:
         raise ConfigError(f"logits must be a float32, float16 or bfloat16 tensor, got {_describe(logits)}")
     if logits.dim() != 2 or logits.shape[1] == 0:
         raise ConfigError(f"logits of shape {tuple(logits.shape)} must be (n, V) with V >= 1")

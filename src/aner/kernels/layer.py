@@ -1,5 +1,5 @@
-"""Fused RoPE and RMSNorm kernels (Triton) for training: each reads its input once and writes its
-output once, in the dtype the next matmul wants, forward and backward.
+"""Fused RoPE, RMSNorm and SwiGLU kernels (Triton) for training: each reads its input once and
+writes its output once, in the dtype the next matmul wants, forward and backward.
 
     rope      (B, n, T, E) -> (B, n, T, E)   out = x * cos + swap_pairs(x) * sin
     rms_norm  (..., D) -> (..., D)           y = (x * rsqrt(mean(x^2) + eps)) * weight
@@ -16,8 +16,8 @@ bits as torch autograd through that expression: dx[e] = g[e] * cos[e] + g[e^1] *
 (the gradient reaches x by two paths, x * cos and the flip; their FP32 sum is commutative), one
 rounding to x's dtype. rms_norm: per row r = rsqrt(sum(x^2) / D + eps) in FP32 (tl.rsqrt: within
 2 ulp on the GPU), y = (x * r) * weight in FP32, one rounding to out_dtype; the sum of squares is
-reduced in another order than torch's, so y agrees to FP32 accuracy, not bit for bit. Backward keeps x and r (FP32), not y:
-dx = r * (dy*w - xhat * mean(dy*w*xhat)), xhat = x * r, all in FP32. swiglu: gate and up in
+reduced in another order than torch's, so y agrees to FP32 accuracy, not bit for bit. Backward
+keeps x and r (FP32), not y: dx = r * (dy*w - xhat * mean(dy*w*xhat)), xhat = x * r, all in FP32. swiglu: gate and up in
 FP32, sigmoid = 1 / (1 + exp(-gate)) (IEEE division, the GPU's exp), y = gate * sigmoid * up
 rounded once (the torch expression also rounds silu(gate) to the operands' dtype first); its
 backward recomputes the sigmoid from the saved gate and up, and rounds each gradient once.
@@ -33,10 +33,10 @@ import triton.language as tl
 from torch import nn
 
 from ..errors import ConfigError
+from . import FLOATS
 from .splits import sum_splits
 
 TARGET_PROGRAMS = 264   # rms_norm backward: two programs per multiprocessor on an H200/H100 SXM
-_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 
 
 @triton.jit
@@ -100,7 +100,7 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out_dtype: torch
     x (B, n, T, E) FP32/FP16/BF16 with any strides whose last is 1 (the model's transposed view of
     a projection); cos and sin (T, E) FP32 contiguous, as `rope_tables` makes them. The output has
     x's layout."""
-    if x.dtype not in _FLOATS or out_dtype not in _FLOATS:
+    if x.dtype not in FLOATS or out_dtype not in FLOATS:
         raise ConfigError(f"rope x dtype {x.dtype} -> out_dtype {out_dtype}; accepted: float32, float16 or bfloat16")
     if x.dim() != 4:
         raise ConfigError(f"rope x has shape {tuple(x.shape)}; accepted: (B, n, T, E)")
@@ -191,7 +191,7 @@ class _RMSNorm(torch.autograd.Function):
             _rms_backward_kernel[(programs,)](
                 dy.contiguous(), x2d, weight, r, dx, x2d if part is None else part, M, D, ROWS=per,
                 HAS_DW=has_dw, BD=bd, num_warps=_warps(bd))
-        dw = None if part is None else part[0] if programs == 1 else sum_splits(part)
+        dw = None if part is None else sum_splits(part)
         return dx, dw, None, None
 
 
@@ -200,7 +200,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch
     with gradients for x and weight (when it requires one)."""
     if x.dtype != torch.float32 or weight.dtype != torch.float32:
         raise ConfigError(f"rms_norm x is {x.dtype}, weight {weight.dtype}; accepted: float32 both")
-    if out_dtype not in _FLOATS:
+    if out_dtype not in FLOATS:
         raise ConfigError(f"rms_norm out_dtype {out_dtype}; accepted: float32, float16 or bfloat16")
     if x.dim() < 1 or x.shape[-1] < 1 or weight.shape != x.shape[-1:]:
         raise ConfigError(f"rms_norm x {tuple(x.shape)}, weight {tuple(weight.shape)}; accepted: (..., D) and (D,)")
@@ -258,7 +258,7 @@ class _SwiGLU(torch.autograd.Function):
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up computed in FP32 and rounded once to their promoted dtype (the torch
     expression rounds silu(gate) first), with gradients for both; same-shaped contiguous tensors."""
-    if gate.dtype not in _FLOATS or up.dtype not in _FLOATS:
+    if gate.dtype not in FLOATS or up.dtype not in FLOATS:
         raise ConfigError(f"swiglu gate {gate.dtype}, up {up.dtype}; accepted: float32, float16 or bfloat16")
     if gate.shape != up.shape or gate.device != up.device:
         raise ConfigError(f"swiglu gate {tuple(gate.shape)} on {gate.device}, up {tuple(up.shape)} on "

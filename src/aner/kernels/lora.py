@@ -145,7 +145,7 @@ def project(p: torch.Tensor, w: torch.Tensor, tiles: Tiles | None = None) -> tor
         _project_kernel[(triton.cdiv(M, t.bm), split)](
             p, w, part, M, N, R, w.stride(0), w.stride(1), STEPS=per, BM=t.bm, BN=t.bn,
             RP=_rank_tile(R), P_BF16=p.dtype == torch.bfloat16, TC=t.tc, num_warps=t.warps, num_stages=2)
-    return part[0] if split == 1 else sum_splits(part)
+    return sum_splits(part)
 
 
 def expand(q: torch.Tensor, w: torch.Tensor, base: torch.Tensor | None, dtype: torch.dtype,
@@ -175,7 +175,7 @@ def reduce_tokens(p: torch.Tensor, q: torch.Tensor, tiles: Tiles | None = None) 
         _reduce_tokens_kernel[(triton.cdiv(N, t.bn), split)](
             p, q, part, M, N, R, STEPS=per, BM=t.bm, BN=t.bn, RP=_rank_tile(R),
             P_BF16=p.dtype == torch.bfloat16, TC=t.tc, num_warps=t.warps, num_stages=2)
-    return part[0] if split == 1 else sum_splits(part)
+    return sum_splits(part)
 
 
 class _LowRankDelta(torch.autograd.Function):

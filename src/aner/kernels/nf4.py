@@ -34,6 +34,7 @@ import triton.language as tl
 
 from ..errors import ConfigError
 from ..quant.nf4 import ABSMAX_BLOCK, DYNAMIC8_CODEBOOK, NF4_BLOCK, NF4_CODEBOOK, NF4Weight
+from . import FLOATS
 from .fp32 import fp32_dot
 from .splits import sum_splits
 
@@ -42,7 +43,6 @@ assert NF4_BLOCK == 64 and ABSMAX_BLOCK == 256
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"    # Triton's CPU interpreter (tests)
 TARGET_PROGRAMS = 132   # H200/H100 SXM multiprocessors: split-K aims at one wave of >= this many
-_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 
 
 # ----------------------------------------------------------------------------- packed weight
@@ -505,7 +505,7 @@ def _check_packed(packed):
 
 
 def _check_matrix(name: str, t, cols: int, packed: DevicePacked) -> None:
-    if not isinstance(t, torch.Tensor) or t.dtype not in _FLOATS:
+    if not isinstance(t, torch.Tensor) or t.dtype not in FLOATS:
         raise ConfigError(f"{name} must be a float32, float16 or bfloat16 tensor, got "
                           f"{getattr(t, 'dtype', type(t).__name__)}")
     if t.dim() != 2 or t.shape[1] != cols:
@@ -612,7 +612,7 @@ def fused_nf4_linear(x: torch.Tensor, packed: DevicePacked) -> torch.Tensor:
     """x (..., K) -> (..., N) = x @ W^T in x's dtype, with an input gradient through nf4_matmul_t."""
     _check_packed(packed)
     N, K = packed.shape
-    if not isinstance(x, torch.Tensor) or x.dtype not in _FLOATS:
+    if not isinstance(x, torch.Tensor) or x.dtype not in FLOATS:
         raise ConfigError(f"x must be a float32, float16 or bfloat16 tensor, got {getattr(x, 'dtype', type(x).__name__)}")
     if x.dim() == 0 or x.shape[-1] != K:
         raise ConfigError(f"x of shape {tuple(x.shape)} does not end in in_features={K} of a {packed.shape} weight")

@@ -21,7 +21,9 @@ def _sum_splits_kernel(part, out, numel, SPLIT: tl.constexpr, BLOCK: tl.constexp
 
 def sum_splits(part: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """part (S, ...) FP32 -> out (...) = part[0] + part[1] + ... in that order (FP32 sums), cast
-    to out's dtype (FP32 when no out is given)."""
+    to out's dtype (FP32 when no out is given: a single part is returned as it is)."""
+    if out is None and part.shape[0] == 1:
+        return part[0]
     if out is None:
         out = torch.empty(part.shape[1:], device=part.device, dtype=torch.float32)
     numel, block = out.numel(), 1024

@@ -85,7 +85,7 @@ def gradients(model, leaves: list, profile, inputs, targets, scale: torch.Tensor
     with profile.autocast(inputs.device.type):
         h = model.hidden(inputs).flatten(0, 1)                # (N, D), FP32 (the operand dtype: fused norm)
         head, fused = _chunk_head(model.head(), profile), profile.layer_kernel == "fused"
-        itemsize = torch.finfo(profile.compute_dtype).bits // 8 if fused else 4
+        itemsize = profile.compute_dtype.itemsize if fused else 4
         step = chunk_positions(model.config.vocab_size, itemsize)
         objective, loss = _HeadLoss.apply(h, targets.flatten(), head, step, scale, fused, *_trainable(head))
     return loss, torch.autograd.grad(objective, leaves)

@@ -54,22 +54,17 @@ class Profile:
     layer_kernel: str = "torch"
 
     def __post_init__(self):
-        if self.precision not in PRECISIONS:
-            raise ConfigError(f"precision={self.precision!r} is not supported; accepted: {', '.join(PRECISIONS)}")
-        if self.optimizer not in OPTIMIZERS:
-            raise ConfigError(f"optimizer={self.optimizer!r} is not supported; accepted: {', '.join(OPTIMIZERS)}")
-        if self.nf4_kernel not in NF4_KERNELS:
-            raise ConfigError(f"nf4_kernel={self.nf4_kernel!r} is not supported; accepted: {', '.join(NF4_KERNELS)}")
+        for field, accepted in (("precision", PRECISIONS), ("optimizer", OPTIMIZERS), ("nf4_kernel", NF4_KERNELS),
+                                ("adapter_kernel", ADAPTER_KERNELS), ("layer_kernel", LAYER_KERNELS)):
+            if getattr(self, field) not in accepted:
+                raise ConfigError(f"{field}={getattr(self, field)!r} is not supported; accepted: "
+                                  f"{', '.join(accepted)}")
         p = self.page_bytes
         if isinstance(p, bool) or not isinstance(p, int) or not MIN_PAGE <= p <= MAX_PAGE or p % 4096:
             raise ConfigError(f"page_bytes={p!r} is not accepted; accepted: a multiple of 4096 from "
                               f"{MIN_PAGE} (4 KiB) to {MAX_PAGE} (64 MiB)")
         if not isinstance(self.cuda_graphs, bool):
             raise ConfigError(f"cuda_graphs={self.cuda_graphs!r} is not accepted; accepted: true or false")
-        for field, accepted in (("adapter_kernel", ADAPTER_KERNELS), ("layer_kernel", LAYER_KERNELS)):
-            if getattr(self, field) not in accepted:
-                raise ConfigError(f"{field}={getattr(self, field)!r} is not supported; accepted: "
-                                  f"{', '.join(accepted)}")
 
     def check_placement(self, device: str, storage: str) -> None:
         """Refuse combinations this build cannot run; never substitute another."""
