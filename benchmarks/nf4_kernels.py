@@ -1,13 +1,14 @@
 """Fused NF4 Triton kernels against dense cuBLAS (and bitsandbytes, when importable), on a GPU.
 
-    PYTHONPATH=src python3 benchmarks/nf4_kernels.py OUT.json [--quick]
+    PYTHONPATH=src python3 benchmarks/nf4_kernels.py OUT.json [--quick | --problems N,K,M ...]
 
 For each problem it first checks every variant on fresh random data against an FP32 reference
 (x @ W^T with W decoded densely, TF32 off), then times it with triton.testing.do_bench (median
 ms; do_bench flushes L2 before each call, and the calls rotate over ROTATE input/weight sets).
 Ratios are to the dense BF16 product of the same shape: `x @ w.t()` forward, `g @ w` input
 gradient. Several tile configurations run in the same call so the best can be picked later; the
-row marked `default` is what default_config() chooses. --quick: the N=K=4096 points only.
+row marked `default` is what default_config() chooses. --quick: the N=K=4096 points only;
+--problems: these (N, K, M) only, every variant.
 """
 import dataclasses
 import datetime
@@ -37,25 +38,23 @@ def label(c: K.TileConfig) -> str:
 
 # Tile variants per (op, regime); "default" is added from default_config().
 VARIANTS = {
+    # Earlier sweeps (select tree, byte permutes, operand B at 128 and 256 tokens, 128 x 256 tiles)
+    # are in results/2026-12-01-h200-nf4-kernels-table.json; these are the contenders now.
     ("matmul", "big"): [
-        C(128, 128, 64, num_warps=8, num_stages=3, lut=1),
-        C(128, 128, 64, num_warps=8, num_stages=3),
-        C(128, 128, 64, num_warps=8, num_stages=3, swap=True),
-        C(256, 128, 64, num_warps=8, num_stages=3),
         C(256, 128, 64, num_warps=8, num_stages=3, swap=True),
-        C(256, 128, 64, num_warps=8, num_stages=3, lut=2, swap=True),
-        C(128, 256, 64, num_warps=8, num_stages=3),
+        C(256, 128, 64, num_warps=8, num_stages=4, swap=True),
+        C(256, 128, 64, num_warps=8, num_stages=2, swap=True),
+        C(256, 64, 64, num_warps=4, num_stages=3, swap=True),      # one warpgroup: two programs a multiprocessor
+        C(256, 64, 64, num_warps=4, num_stages=4, swap=True),
+        C(128, 64, 64, num_warps=4, num_stages=4, swap=True),      # three
         C(128, 128, 64, num_warps=4, num_stages=4, swap=True),
-        C(128, 64, 64, num_warps=4, num_stages=4),
     ],
     ("matmul_t", "big"): [
-        C(128, 64, 128, num_warps=8, num_stages=3, lut=1),
-        C(128, 64, 128, num_warps=8, num_stages=3),
-        C(128, 64, 128, num_warps=8, num_stages=3, swap=True),
-        C(256, 64, 128, num_warps=8, num_stages=3),
         C(256, 64, 128, num_warps=8, num_stages=3, swap=True),
-        C(256, 64, 128, num_warps=8, num_stages=3, lut=2, swap=True),
-        C(128, 64, 256, num_warps=8, num_stages=3),
+        C(256, 64, 128, num_warps=8, num_stages=4, swap=True),
+        C(256, 128, 64, num_warps=8, num_stages=3, swap=True),
+        C(256, 64, 64, num_warps=4, num_stages=3, swap=True),      # one warpgroup: two programs a multiprocessor
+        C(128, 64, 64, num_warps=4, num_stages=4, swap=True),
         C(128, 64, 128, num_warps=4, num_stages=4, swap=True),
     ],
     ("matmul", "small"): [
@@ -80,8 +79,8 @@ PROBLEMS = [(4096, 4096, 128, True), (4096, 4096, 2048, True),
             (2048, 2048, 8192, False), (8192, 2048, 8192, False), (2048, 8192, 8192, False),
             (576, 1536, 8192, False), (1536, 576, 8192, False)]
 # Variants also timed on the non-sweep shapes (besides the default).
-SHORTLIST = ("256x128x64w8s3-prmt-swap", "256x128x64w8s3", "128x128x64w8s3-swap",
-             "256x64x128w8s3-prmt-swap", "256x64x128w8s3", "128x64x128w8s3-swap")
+SHORTLIST = ("256x128x64w8s4-swap", "256x64x64w4s3-swap", "256x64x64w4s4-swap", "128x64x64w4s4-swap",
+             "256x64x128w8s4-swap", "256x128x64w8s3-swap")
 
 
 def bench(fn_of_set, sets):
@@ -180,12 +179,14 @@ def main():
     if len(sys.argv) < 2:
         sys.exit("usage: nf4_kernels.py OUT.json [--quick]")
     quick = "--quick" in sys.argv[2:]
+    chosen = [tuple(map(int, a.split(","))) for a in sys.argv[2:] if a[0].isdigit()]
+    problems = [(*p, True) for p in chosen] if chosen else PROBLEMS
     dev = torch.device("cuda")
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.manual_seed(0)
     rows = []
     started = datetime.datetime.now(datetime.timezone.utc).isoformat()
-    for N, Kin, M, sweep in PROBLEMS:
+    for N, Kin, M, sweep in problems:
         if quick and (N, Kin) != (4096, 4096):
             continue
         run_problem(N, Kin, M, sweep, torch.bfloat16, rows, dev)

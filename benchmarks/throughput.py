@@ -161,10 +161,15 @@ def profile(combo: str):
     micro = MICRO_BATCH.get(model, BATCH)
     m = src.fine_tune(tr, va, steps=2, micro_batch=micro, accumulation=BATCH // micro)
     acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-    with torch.profiler.profile(activities=acts) as prof:
+    with torch.profiler.profile(activities=acts, record_shapes=True) as prof:
         m = m.resume(tr, va, steps=2)
         torch.cuda.synchronize()
     print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=30, max_name_column_width=70))
+    # the copies, additions and products by operand shapes: which tensors the casts and adds are
+    rows = [e for e in prof.key_averages(group_by_input_shape=True) if e.key in ("aten::copy_", "aten::add_", "aten::mm",
+                                                                                 "aten::addmm", "aten::add", "aten::mul")]
+    for e in sorted(rows, key=lambda e: -e.self_device_time_total)[:25]:
+        print(f"{e.key:12} {e.count:6} {e.self_device_time_total / 1e3:9.1f} ms  {str(e.input_shapes)[:110]}")
 
 
 def main():

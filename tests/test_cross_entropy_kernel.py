@@ -134,3 +134,33 @@ def test_errors():
     for args, kwargs, match in cases:
         with pytest.raises(ConfigError, match=match):
             cross_entropy_grad(*args, **kwargs)
+
+
+@pytest.mark.skipif(INTERPRET, reason="the FP32-output product of FP16/BF16 operands is CUDA's")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_trained_head_gradient_sums_chunks_in_fp32(dtype):
+    """A trained head's weight gradient over five chunks is the float64 sum of the chunks'
+    dlogits^T h products up to FP32 accumulation: no chunk's product is rounded to `dtype`
+    (which the reference's own rounding, made alongside, shows would be >= 30x further off)."""
+    from aner.model.llama import Dense
+    from aner.train.loss import _HeadLoss
+    n, V, D, step = 320, 4096, 256, 64
+    g = torch.Generator(device=DEV).manual_seed(0)
+    w = (torch.randn(V, D, device=DEV, generator=g) * 0.05).requires_grad_(True)
+    h = torch.randn(n, D, device=DEV, generator=g).to(dtype)
+    targets = torch.randint(0, V, (n,), device=DEV, generator=g)
+    scale = torch.tensor(1 / n, device=DEV)
+    with torch.autocast("cuda", dtype=dtype):
+        objective, _ = _HeadLoss.apply(h, targets, Dense(w), step, scale, True, w)
+        (got,) = torch.autograd.grad(objective, [w])
+        want, rounded, magnitude = 0, 0, 0
+        for s in range(0, n, step):                          # the same logits, gradient kernel, chunks
+            logits = F.linear(h[s:s + step], w)
+            _, dz = cross_entropy_grad(logits, targets[s:s + step], scale)
+            want = want + dz.double().T @ h[s:s + step].double()
+            rounded = rounded + (dz.T @ h[s:s + step]).double()   # the product rounded to dtype
+            magnitude = magnitude + dz.double().abs().T @ h[s:s + step].double().abs()
+    err = ((got.double() - want).abs() / magnitude.max()).max().item()
+    err_rounded = ((rounded - want).abs() / magnitude.max()).max().item()
+    assert got.dtype == torch.float32 and err <= 1e-6, err
+    assert err_rounded >= 30 * err, (err, err_rounded)

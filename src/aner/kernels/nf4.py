@@ -476,10 +476,13 @@ def default_config(op: str, M: int, N: int, K: int, dtype: torch.dtype) -> TileC
         bm, bn, bk, stages, swap = min(128, _pow2_at_least(M, 16)), 64, 64, 2, False
         warps = 8 if bm >= 128 else 4
     else:
-        # The fastest measured on the H200 (benchmarks/results/2026-12-01-h200-nf4-kernels-table.json):
-        # from 256 tokens, 256-token tiles with the decoded weight as MMA operand A; from 128,
-        # 128-token tiles, the input gradient with the weight as operand A, the forward as B. The
-        # general decode (K % 64 != 0) keeps 128 tokens and operand B: it spills at 256.
+        # The fastest measured on the H200 (benchmarks/results/2026-12-01-h200-nf4-kernels-*.json):
+        # from 256 tokens, 256-token tiles with the decoded weight as MMA operand A: the forward
+        # 128 weight rows at 8 warps and 4 stages, the input gradient 64 x 64 weight tiles at one
+        # warpgroup (247 registers: two programs a multiprocessor, each one's decode beside the
+        # other's products); from 128, 128-token tiles, the input gradient with the weight as
+        # operand A, the forward as B. The general decode (K % 64 != 0) keeps 128 tokens and
+        # operand B: it spills at 256.
         fast = K % 64 == 0
         if M >= 256 and fast:
             bm, swap = 256, True
@@ -489,6 +492,8 @@ def default_config(op: str, M: int, N: int, K: int, dtype: torch.dtype) -> TileC
             bm, swap = _pow2_at_least(M, 16), False
         warps, stages = (8 if bm >= 128 else 4), 3
         bn, bk = (128 if M >= 128 else 64, 64) if op == "matmul" else (64, 128)
+        if bm == 256:
+            warps, stages, bk = (8, 4, 64) if op == "matmul" else (4, 3, 64)
     if op == "matmul":
         split = _split(-(-M // bm) * -(-N // bn), -(-K // bk))
     else:

@@ -91,14 +91,19 @@ def gradients(model, leaves: list, profile, inputs, targets, scale: torch.Tensor
     return loss, torch.autograd.grad(objective, leaves)
 
 
-def _fused_chunk(head, hc, targets, scale, weights):
-    """The chunk's summed loss and the gradients of scale x it, the logits' gradient made by one
-    kernel (`kernels/cross_entropy.py`) in the logits' dtype, as the cast's backward gave it. The
-    gradient overwrites the logits: no head's backward reads its own output."""
+def _fused_chunk(head, hc, targets, scale, grad_w):
+    """The chunk's summed loss and the gradient of scale x it with respect to hc; the logits'
+    gradient is made by one kernel (`kernels/cross_entropy.py`) in the logits' dtype, as the
+    cast's backward gave it, and overwrites the logits: no head's backward reads its own output.
+    A trained head's weight gradient, dlogits^T hc, accumulates into its FP32 sum in `grad_w`
+    inside the GEMM (FP32 output, beta 1): no per-chunk low-precision copy, cast or add."""
     from ..kernels.cross_entropy import cross_entropy_grad
     logits = head(hc)                                         # (chunk, V), the operand dtype
     loss, dlogits = cross_entropy_grad(logits.detach(), targets, scale, IGNORE, out=logits.detach())
-    return loss, torch.autograd.grad(logits, [hc, *weights], dlogits)
+    (grad_h,) = torch.autograd.grad(logits, [hc], dlogits)
+    for acc in grad_w:
+        torch.addmm(acc, dlogits.T, hc.detach().to(dlogits.dtype), out_dtype=torch.float32, out=acc)
+    return loss, grad_h
 
 
 class _HeadLoss(torch.autograd.Function):
@@ -111,13 +116,14 @@ class _HeadLoss(torch.autograd.Function):
             with torch.enable_grad():
                 hc = h[s:s + step].detach().requires_grad_(True)
                 if fused:
-                    loss, grads = _fused_chunk(head, hc, targets[s:s + step], scale, weights)
+                    loss, g = _fused_chunk(head, hc, targets[s:s + step], scale, grad_w)
+                    grad_h[s:s + step] = g
                 else:
                     loss = _cross_entropy(head, hc, targets[s:s + step])
                     grads = torch.autograd.grad(loss * scale, [hc, *weights])
-            grad_h[s:s + step] = grads[0]
-            for acc, g in zip(grad_w, grads[1:]):
-                acc += g                                      # FP32, chunk order
+                    grad_h[s:s + step] = grads[0]
+                    for acc, g in zip(grad_w, grads[1:]):
+                        acc += g                              # FP32, chunk order
             total += loss.detach()
         ctx.save_for_backward(grad_h, *grad_w)
         ctx.mark_non_differentiable(total)
