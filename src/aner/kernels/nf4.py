@@ -486,14 +486,14 @@ def default_config(op: str, M: int, N: int, K: int, dtype: torch.dtype) -> TileC
         fast = K % 64 == 0
         if M >= 256 and fast:
             bm, swap = 256, True
-        elif M >= 128:
-            bm, swap = 128, fast and op == "matmul_t"
+            bn, bk, warps, stages = (128, 64, 8, 4) if op == "matmul" else (64, 64, 4, 3)
         else:
-            bm, swap = _pow2_at_least(M, 16), False
-        warps, stages = (8 if bm >= 128 else 4), 3
-        bn, bk = (128 if M >= 128 else 64, 64) if op == "matmul" else (64, 128)
-        if bm == 256:
-            warps, stages, bk = (8, 4, 64) if op == "matmul" else (4, 3, 64)
+            if M >= 128:
+                bm, swap = 128, fast and op == "matmul_t"
+            else:
+                bm, swap = _pow2_at_least(M, 16), False
+            warps, stages = (8 if bm >= 128 else 4), 3
+            bn, bk = (128 if M >= 128 else 64, 64) if op == "matmul" else (64, 128)
     if op == "matmul":
         split = _split(-(-M // bm) * -(-N // bn), -(-K // bk))
     else:
