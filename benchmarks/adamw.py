@@ -19,19 +19,16 @@ from pathlib import Path
 
 import torch
 
-from throughput import MODELS  # (it also puts src/ on the path)
+from throughput import MODELS, model_config  # (it also puts src/ on the path)
 
 from aner.model import names  # noqa: E402
-from aner.model.config import LlamaConfig  # noqa: E402
 from aner.train.optim import AdamW  # noqa: E402
 
 RATE, DECAY = 1e-4, 0.01
 
 
 def shapes(model: str) -> list[tuple[int, ...]]:
-    n_layer, dim, n_head, n_kv, ffn, vocab, tied, rope = MODELS[model]
-    config = LlamaConfig(n_layer, dim, n_head, n_kv, ffn, vocab, 8192, 1e-5, rope, tied)
-    return [shape for _, _, shape in names.expected(config).values()]
+    return [shape for _, _, shape in names.expected(model_config(model)).values()]
 
 
 def timed(update, device: str, n: int) -> list[float]:

@@ -177,7 +177,7 @@ def fmt(r):
 
 def main():
     if len(sys.argv) < 2:
-        sys.exit("usage: nf4_kernels.py OUT.json [--quick]")
+        sys.exit("usage: nf4_kernels.py OUT.json [--quick | --problems N,K,M ...]")
     quick = "--quick" in sys.argv[2:]
     chosen = [tuple(map(int, a.split(","))) for a in sys.argv[2:] if a[0].isdigit()]
     problems = [(*p, True) for p in chosen] if chosen else PROBLEMS

@@ -57,10 +57,15 @@ DEFAULT = ["smollm2-135m:full", "smollm2-135m:lora", "smollm2-135m:qlora",
            "llama-3.2-1b:full", "llama-3.2-1b:lora", "llama-3.2-1b:qlora", "llama-3.1-8b:qlora"]
 
 
+def model_config(name: str) -> LlamaConfig:
+    """The configuration of `name`'s shape (context 8192, RMSNorm eps 1e-5)."""
+    n_layer, dim, n_head, n_kv, ffn, vocab, tied, rope = MODELS[name]
+    return LlamaConfig(n_layer, dim, n_head, n_kv, ffn, vocab, 8192, 1e-5, rope, tied)
+
+
 def random_model(name: str) -> PretrainedModel:
     """A random-weight model of `name`'s shape on the GPU (std 0.02 matrices, unit norms)."""
-    n_layer, dim, n_head, n_kv, ffn, vocab, tied, rope = MODELS[name]
-    config = LlamaConfig(n_layer, dim, n_head, n_kv, ffn, vocab, 8192, 1e-5, rope, tied)
+    config = model_config(name)
     g = torch.Generator(device=DEV).manual_seed(0)
     weights = {}
     for tensor, (_, role, shape) in names.expected(config).items():
