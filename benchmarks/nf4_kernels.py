@@ -1,6 +1,6 @@
 """Fused NF4 Triton kernels against dense cuBLAS (and bitsandbytes, when importable), on a GPU.
 
-    PYTHONPATH=src python3 benchmarks/nf4_kernels.py OUT.json [--quick | --problems N,K,M ...]
+    PYTHONPATH=src python3 benchmarks/nf4_kernels.py OUT.json [--quick | --problems N,K,M ...] [--defaults]
 
 For each problem it first checks every variant on fresh random data against an FP32 reference
 (x @ W^T with W decoded densely, TF32 off), then times it with triton.testing.do_bench (median
@@ -8,7 +8,8 @@ ms; do_bench flushes L2 before each call, and the calls rotate over ROTATE input
 Ratios are to the dense BF16 product of the same shape: `x @ w.t()` forward, `g @ w` input
 gradient. Several tile configurations run in the same call so the best can be picked later; the
 row marked `default` is what default_config() chooses. --quick: the N=K=4096 points only;
---problems: these (N, K, M) only, every variant.
+--problems: these (N, K, M) only, every variant; --defaults: only the default rows (to compare
+two versions of the kernels in one session).
 """
 import dataclasses
 import datetime
@@ -116,7 +117,7 @@ def bnb_forward(sets):
     return lambda s: bnb.matmul_4bit(s["x"], s["bnb"].t(), quant_state=s["bnb"].quant_state)
 
 
-def run_problem(N, Kin, M, sweep, dtype, rows, dev):
+def run_problem(N, Kin, M, sweep, dtype, rows, dev, defaults_only=False):
     sets = make_sets(N, Kin, M, dtype, dev)
     s0 = sets[0]
     ref_y = s0["x"].float() @ s0["w32"].t()
@@ -138,6 +139,8 @@ def run_problem(N, Kin, M, sweep, dtype, rows, dev):
         else:
             fma = dataclasses.replace(default, tc=False)
             variants[label(fma)] = fma
+        if defaults_only:
+            variants = {"default": default}
         launch = K.nf4_matmul if op == "matmul" else K.nf4_matmul_t
         arg = "x" if op == "matmul" else "g"
         ref, scale = (ref_y, scale_y) if op == "matmul" else (ref_dx, scale_dx)
@@ -177,8 +180,9 @@ def fmt(r):
 
 def main():
     if len(sys.argv) < 2:
-        sys.exit("usage: nf4_kernels.py OUT.json [--quick | --problems N,K,M ...]")
+        sys.exit("usage: nf4_kernels.py OUT.json [--quick | --problems N,K,M ...] [--defaults]")
     quick = "--quick" in sys.argv[2:]
+    defaults_only = "--defaults" in sys.argv[2:]
     chosen = [tuple(map(int, a.split(","))) for a in sys.argv[2:] if a[0].isdigit()]
     problems = [(*p, True) for p in chosen] if chosen else PROBLEMS
     dev = torch.device("cuda")
@@ -189,8 +193,8 @@ def main():
     for N, Kin, M, sweep in problems:
         if quick and (N, Kin) != (4096, 4096):
             continue
-        run_problem(N, Kin, M, sweep, torch.bfloat16, rows, dev)
-    run_problem(4096, 4096, 2048, False, torch.float32, rows, dev)       # FP32: tensor cores and FMAs
+        run_problem(N, Kin, M, sweep, torch.bfloat16, rows, dev, defaults_only)
+    run_problem(4096, 4096, 2048, False, torch.float32, rows, dev, defaults_only)       # FP32: tensor cores and FMAs
     print("\nbest per problem (ratio to dense; * = default):")
     keyf = lambda r: (r["N"], r["K"], r["M"], r["dtype"], r["op"])      # noqa: E731
     ours = [r for r in rows if r["impl"] == "aner-nf4" and r.get("ok")]
