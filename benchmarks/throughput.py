@@ -8,9 +8,12 @@ Llama-3.1-8B) on batches of 8 x 1024 tokens: BF16 operation policy, LoRA rank 16
 all seven projections, AdamW. Ours runs in this process under the library's default
 deterministic policy (`CUBLAS_WORKSPACE_CONFIG`, deterministic algorithms, TF32 off); the peer
 (`benchmarks/peer.py`: transformers + PEFT + bitsandbytes) runs in a child process in its usual
-mode. Each side warms up, then times N updates over the same fixed batch of 8 sequences with
-device synchronisation, so "the loss falls" is checkable, and reports tokens/s (8 x 1024 input
-positions per update, over the sum of the timed updates' seconds) and the Torch allocator peak. Methods: full (FP32 masters), lora (FP32
+mode. Each side warms up, then times N updates over the same fixed batch of 8 sequences, so "the
+loss falls" is checkable, and reports tokens/s (8 x 1024 input positions per update, over the sum
+of the timed updates' seconds) and the Torch allocator peak. The peer synchronises after each
+update and times it on the host; ours records a CUDA event at each update's end, so the GPU's
+waits for our loop's host work stay in the figure. Ours clips the gradient norm at 1.0 (the
+library's default); the peer's loop does not clip. Methods: full (FP32 masters), lora (FP32
 base), qlora (NF4 double-quantized base, fused kernels when available). Ours records each
 micro-batch shape's kernels as a CUDA graph (profile cuda_graphs=True, the same bits as eager),
 runs the adapters' products through the fused kernels (adapter_kernel="fused") and RMSNorm, RoPE
@@ -122,18 +125,21 @@ def ours(combo: str, steps=10, warmup=3) -> dict:
     torch.cuda.reset_peak_memory_stats()
     micro = MICRO_BATCH.get(model, BATCH)
     state, _ = src._fine_tune_start(tr, va, warmup + steps, micro, BATCH // micro, 1e-4, 0, 1.0)
-    times = []
+    ends = []
 
     def tick(state, view):
-        torch.cuda.synchronize()
-        times.append(time.perf_counter())
+        ends.append(torch.cuda.Event(enable_timing=True))
+        ends[-1].record()
 
     # One run of warmup + steps updates, timed from the end of the last warm-up update to the end
     # of the last one: the call's start (private copies of the trainable tensors, the moments,
-    # recording the graph) stays out of the figure, and no second run's copies stay alive.
+    # recording the graph) stays out of the figure, and no second run's copies stay alive. Each
+    # update's end is an event on the GPU's stream, so timing adds no wait of its own: the GPU's
+    # idle time between updates (the loop's own waits for the host) stays in the figure.
     m = src._train(tr, va, state, warmup + steps, progress=False, on_update=tick)
-    times = times[warmup - 1:]
-    step_seconds = [b - a for a, b in zip(times[:-1], times[1:])]
+    torch.cuda.synchronize()
+    ends = ends[warmup - 1:]
+    step_seconds = [a.elapsed_time(b) / 1e3 for a, b in zip(ends[:-1], ends[1:])]
     losses = list(m._state.losses[warmup:])
     result = {"side": "ours", "model": model, "method": method,
               "tokens_per_s": steps * BATCH * SEQ / sum(step_seconds),
@@ -158,23 +164,48 @@ def peer(combos: list[str], out: Path, steps: int) -> dict:
     return {f"{r['model']}:{r['method']}": r for r in rows}
 
 
-def profile(combo: str):
+def profile(combo: str, updates=2, warmup=2):
+    """Where the GPU time of `updates` updates goes, recorded after `warmup` updates: the call's
+    start (private copies, moments, recording graphs) and the final validation pass stay out."""
     model, method, choices = parse(combo)
     base = random_model(model)
     tr, va = data(base.config().vocab_size)
     src = select(base, method, choices)
     micro = MICRO_BATCH.get(model, BATCH)
-    m = src.fine_tune(tr, va, steps=2, micro_batch=micro, accumulation=BATCH // micro)
+    state, _ = src._fine_tune_start(tr, va, warmup + updates + 1, micro, BATCH // micro, 1e-4, 0, 1.0)
     acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-    with torch.profiler.profile(activities=acts, record_shapes=True) as prof:
-        m = m.resume(tr, va, steps=2)
-        torch.cuda.synchronize()
+    schedule = torch.profiler.schedule(wait=warmup, warmup=0, active=updates, repeat=1)
+    with torch.profiler.profile(activities=acts, record_shapes=True, schedule=schedule) as prof:
+        src._train(tr, va, state, warmup + updates + 1, progress=False,
+                   on_update=lambda s, view: (torch.cuda.synchronize(), prof.step()))
+    print(f"# {combo}: {updates} updates after {warmup}")
     print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=30, max_name_column_width=70))
     # the copies, additions and products by operand shapes: which tensors the casts and adds are
     rows = [e for e in prof.key_averages(group_by_input_shape=True) if e.key in ("aten::copy_", "aten::add_", "aten::mm",
                                                                                  "aten::addmm", "aten::add", "aten::mul")]
     for e in sorted(rows, key=lambda e: -e.self_device_time_total)[:25]:
         print(f"{e.key:12} {e.count:6} {e.self_device_time_total / 1e3:9.1f} ms  {str(e.input_shapes)[:110]}")
+    idle(prof)
+
+
+def idle(prof, top=12):
+    """Where the GPU waits: the gaps between consecutive kernels and copies of the recorded updates
+    (one timeline), their total and the largest, each with the work on either side."""
+    import tempfile
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        events = json.load(open(f.name))["traceEvents"]
+    gpu = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")), key=lambda e: e["ts"])
+    gaps, end, prev = [], gpu[0]["ts"], gpu[0]
+    for e in gpu:
+        if e["ts"] > end:
+            gaps.append((e["ts"] - end, prev["name"][:60], e["name"][:60]))
+        if e["ts"] + e["dur"] >= end:
+            end, prev = e["ts"] + e["dur"], e
+    span = end - gpu[0]["ts"]
+    print(f"GPU timeline {span / 1e3:.1f} ms, idle {sum(g for g, _, _ in gaps) / 1e3:.1f} ms in {len(gaps)} gaps; largest:")
+    for g, a, b in sorted(gaps, reverse=True)[:top]:
+        print(f"  {g / 1e3:7.2f} ms  after {a}  before {b}")
 
 
 def main():

@@ -261,3 +261,25 @@ def test_cuda_graphs_refuse_host_tiles(tiny_path):
         m.nf4().with_training_profile(cuda_graphs=True)
     with pytest.raises(ConfigError, match="cannot record nf4_kernel='host_tiled'"):
         m.with_training_profile(cuda_graphs=True).nf4()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_trained_projection_keeps_its_weight_gradient_in_fp32(dtype):
+    """A trained FP32 weight under a low-precision policy: the output and the input gradient are
+    autocast's bits, and the weight gradient g^T x is summed in FP32 and never rounded to `dtype`:
+    within 1e-6 of float64, where autocast's, rounded, is at least 30x further off."""
+    from aner.model.llama import Dense
+    g = torch.Generator(device=DEV).manual_seed(0)
+    w = (torch.randn(96, 64, device=DEV, generator=g) * 0.05).requires_grad_(True)
+    x = torch.randn(3, 50, 64, device=DEV, generator=g).requires_grad_(True)   # FP32, as the torch norms give
+    dy = torch.randn(3, 50, 96, device=DEV, generator=g).to(dtype)
+    with torch.autocast("cuda", dtype=dtype):
+        y, ref_y = Dense(w)(x), torch.nn.functional.linear(x, w)
+    dx, dw = torch.autograd.grad(y, [x, w], dy)
+    ref_dx, ref_dw = torch.autograd.grad(ref_y, [x, w], dy)
+    assert torch.equal(y, ref_y) and torch.equal(dx, ref_dx) and dw.dtype == torch.float32
+    want = dy.flatten(0, 1).double().T @ x.to(dtype).flatten(0, 1).double()
+    magnitude = (dy.flatten(0, 1).double().abs().T @ x.to(dtype).flatten(0, 1).double().abs()).max()
+    err = ((dw.double() - want).abs() / magnitude).max().item()
+    err_rounded = ((ref_dw.double() - want).abs() / magnitude).max().item()
+    assert err <= 1e-6 and err_rounded >= 30 * err, (err, err_rounded)

@@ -18,7 +18,7 @@ from kernel_device import INTERPRET, device_or_skip
 DEV = device_or_skip()
 
 from aner.errors import ConfigError  # noqa: E402
-from aner.kernels.layer import rms_norm, rope, swiglu  # noqa: E402
+from aner.kernels.layer import add_rms_norm, rms_norm, rope, swiglu  # noqa: E402
 from aner.model.config import LlamaConfig  # noqa: E402
 from aner.model.llama import RMSNorm, apply_rope, rope_tables  # noqa: E402
 
@@ -126,6 +126,36 @@ def test_rms_norm(D, lead, out_dtype, w_grad):
         assert wl.grad is None
 
 
+@pytest.mark.parametrize("stream_grad", [True, False], ids=["ds", "no_ds"])
+@pytest.mark.parametrize("y_dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("lead", [(37,), (3, 100)] + ([] if INTERPRET else [(4, 1024)]),
+                         ids=lambda s: "x".join(map(str, s)))
+def test_add_rms_norm(lead, y_dtype, stream_grad):
+    """(norm(x + y), x + y) with the sum in FP32 (torch's promoted add, bit for bit); backward
+    adds the gradient reaching the stream from elsewhere (none after the last norm) to the
+    norm's, and y's gradient is that sum rounded once to y's dtype."""
+    D, eps = 2048, 1e-5
+    x = torch.randn(*lead, D, device=DEV) * 3
+    y = torch.randn(*lead, D, device=DEV).to(y_dtype)
+    w = 1 + 0.3 * torch.randn(D, device=DEV)
+    dout = torch.randn(*lead, D, device=DEV).to(torch.bfloat16 if not INTERPRET else torch.float16)
+    ds = torch.randn(*lead, D, device=DEV) if stream_grad else None
+    s_want = x + y
+    out64, dnorm64, dw64, dx_scale, dw_scale = rms_oracle(s_want, w, eps, dout, True)
+
+    xl, yl, wl = x.clone().requires_grad_(True), y.clone().requires_grad_(True), w.clone().requires_grad_(True)
+    out, s = add_rms_norm(xl, yl, wl, eps, dout.dtype)
+    torch.autograd.backward([out, s] if stream_grad else [out], [dout, ds] if stream_grad else [dout])
+
+    assert s.dtype == torch.float32 and torch.equal(s, s_want)
+    assert ((out.double() - out64).abs() <= 8e-3 * out64.abs() + 2.0 ** -25).all()
+    want = dnorm64 + (ds.double() if stream_grad else 0)
+    bound = 1e-5 * (dx_scale + (ds.double().abs() if stream_grad else 0)) + 1e-30
+    assert xl.grad.dtype == torch.float32 and ((xl.grad.double() - want).abs() <= bound).all()
+    assert yl.grad.dtype == y_dtype and torch.equal(yl.grad, xl.grad.to(y_dtype))
+    assert ((wl.grad.double() - dw64).abs() <= 1e-5 * dw_scale + 1e-30).all()
+
+
 @pytest.mark.parametrize("rows", [300] if INTERPRET else [300, 8192])
 def test_rms_norm_deterministic(rows):
     """Two runs give the same bits for y, dx and dw (several rows per dw partial)."""
@@ -202,6 +232,10 @@ def test_errors():
         rms_norm(torch.randn(100, 3, device=DEV).t(), w, 1e-5, torch.float32)
     with pytest.raises(ConfigError, match="same device"):
         rms_norm(x, w.to("meta"), 1e-5, torch.float32)
+    with pytest.raises(ConfigError, match=r"x's shape \(3, 100\)"):
+        add_rms_norm(x, x[:2], w, 1e-5, torch.float32)
+    with pytest.raises(ConfigError, match="float32, float16 or bfloat16, contiguous"):
+        add_rms_norm(x, x.double(), w, 1e-5, torch.float32)
 
     with pytest.raises(ConfigError, match="float32, float16 or bfloat16"):
         swiglu(x.double(), x)

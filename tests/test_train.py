@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from aner import AnerError, gen
-from aner.errors import ArtifactError, ConfigError, FormatError, ResourceError
+from aner.errors import ArtifactError, ConfigError, DataError, FormatError, ResourceError
 from aner.formats.checkpoint import _digest
 from aner.train.loop import TrainState, RunConfig, window
 from fixtures import assert_same_state, rewrite
@@ -124,6 +124,18 @@ def test_data_refusals(base, data, tiny, tmp_path):
     foreign = gen.supervised_csv(gen.import_model(other_tok), other, role="training", context=64)
     with pytest.raises(ConfigError, match="prepared with tokenizer"):
         base.fine_tune(foreign, va, steps=1)
+
+
+def test_non_finite_loss_stops_the_run(data, tiny, tmp_path):
+    """A head whose logits overflow FP32 makes the first update's loss NaN: the run stops
+    with the update's number, and the model it was called on is unchanged."""
+    tr, va = data
+    huge = gen.import_model(rewrite(tiny, tmp_path / "huge.gguf",
+                                    tensors=lambda n, a: a * 1e38 if n == "output_norm.weight" else a))
+    before = snapshot(huge)
+    with pytest.raises(DataError, match=r"non-finite \(nan\) at update 1; lower the rate"):
+        huge.fine_tune(tr, va, steps=2, micro_batch=2, accumulation=2)
+    assert all(torch.equal(before[0][k], huge._weights[k]) for k in before[0])
 
 
 @pytest.mark.parametrize("kw,message", [
@@ -324,25 +336,41 @@ def test_adamw_is_torch_fused_adamw_bitwise_and_pages_change_no_bit():
             assert all(torch.equal(a, b) for a, b in zip(moments[k], other_moments[k]))
 
 
-def test_clipping_uses_the_float64_global_norm():
-    from aner.train.optim import clip_by_global_norm
+def test_clipping_divides_by_the_float64_global_norm_inside_adamw():
+    """The divisor is (norm + 1e-6) / clip_norm over the float64 global norm, exactly 1 at or
+    below it, none for clip_norm 0; AdamW given it updates as on the gradients divided first
+    (IEEE FP32 division), bit for bit, and leaves the gradients so divided."""
+    from aner.train.optim import AdamW, clip_divisor
     grads = {"x": torch.randn(10, 3) * 5, "y": torch.randn(17) * 5}
-    want = float(torch.cat([g.double().flatten() for g in grads.values()]).norm())
-    before = {k: g.clone() for k, g in grads.items()}
-    assert clip_by_global_norm(grads, 0.0) == pytest.approx(want, rel=1e-12)
-    assert all(torch.equal(before[k], grads[k]) for k in grads)        # 0 disables clipping
-    assert clip_by_global_norm(grads, 1.0) == pytest.approx(want, rel=1e-12)
-    clipped = float(torch.cat([g.double().flatten() for g in grads.values()]).norm())
-    assert clipped == pytest.approx(1.0, rel=1e-5)
+    norm = float(torch.cat([g.double().flatten() for g in grads.values()]).norm())
+    assert clip_divisor(grads, 0.0) is None
+    assert clip_divisor(grads, norm * 1.5).item() == 1.0
+    divisor = clip_divisor(grads, 1.0)
+    assert divisor.dtype == torch.float32 and divisor.item() == np.float32((norm + 1e-6) / 1.0)
+    divided = {k: g / divisor for k, g in grads.items()}
+    assert float(torch.cat([g.double().flatten() for g in divided.values()]).norm()) == pytest.approx(1.0, rel=1e-5)
+    adamw = AdamW(1e-2, weight_decay=0.1)
+    params = {k: torch.randn(g.shape) for k, g in grads.items()}
+    ref = {k: p.clone() for k, p in params.items()}
+    moments, ref_moments = adamw.init_moments(params), adamw.init_moments(ref)
+    adamw.step(params, grads, moments, 1, divisor)
+    adamw.step(ref, divided, ref_moments, 1)
+    for k in grads:
+        assert torch.equal(params[k], ref[k]) and torch.equal(grads[k], divided[k])
+        assert all(torch.equal(a, b) for a, b in zip(moments[k], ref_moments[k]))
 
 
-def test_chunked_head_loss_equals_whole_logits(base, data, monkeypatch):
-    """The loss and every gradient (tied head and embedding included) agree with autograd over
-    the whole micro-batch's logits, with chunks of 7 positions."""
+@pytest.mark.parametrize("tied", [True, False])
+def test_chunked_head_loss_equals_whole_logits(tiny_factory, data, monkeypatch, tied):
+    """The loss and every gradient (the head's, tied to the embedding or its own) agree with
+    autograd over the whole micro-batch's logits, with chunks of 7 positions."""
     import torch.nn.functional as F
     from aner.model.build import build
     from aner.train import loss as L
     from aner.train.profile import Profile
+    from fixtures import Shape
+    base = gen.import_model(tiny_factory(Shape(tied=tied)))
+    assert ("output.weight" in base._weights) != tied
     tr, _ = data
     weights = {n: w.detach().clone().requires_grad_(True) for n, w in base._weights.items()}
     model = build(base.config(), weights)

@@ -119,23 +119,28 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out_dtype: torch
 
 
 @triton.jit
-def _rms_forward_kernel(x, w, y, r, D, eps, BD: tl.constexpr):
-    """One row: r = rsqrt(sum(x^2) / D + eps), y = (x * r) * w rounded to y's dtype; FP32."""
+def _rms_forward_kernel(x, y, s, w, out, r, D, eps, HAS_Y: tl.constexpr, BD: tl.constexpr):
+    """One row: HAS_Y: s = x + y in FP32, stored; r = rsqrt(sum(s^2) / D + eps), out = (s * r) * w
+    rounded to out's dtype; FP32."""
     row = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, BD)
     mask = d < D
-    xv = tl.load(x + row * D + d, mask=mask, other=0.0)
-    rr = tl.rsqrt(tl.sum(xv * xv, axis=0) / D + eps)
+    sv = tl.load(x + row * D + d, mask=mask, other=0.0)
+    if HAS_Y:
+        sv += tl.load(y + row * D + d, mask=mask, other=0.0).to(tl.float32)
+        tl.store(s + row * D + d, sv, mask=mask)
+    rr = tl.rsqrt(tl.sum(sv * sv, axis=0) / D + eps)
     wv = tl.load(w + d, mask=mask, other=0.0)
-    tl.store(y + row * D + d, ((xv * rr) * wv).to(y.dtype.element_ty), mask=mask)
+    tl.store(out + row * D + d, ((sv * rr) * wv).to(out.dtype.element_ty), mask=mask)
     tl.store(r + row, rr)
 
 
 @triton.jit
-def _rms_backward_kernel(dy, x, w, r, dx, part, M, D, ROWS: tl.constexpr, HAS_DW: tl.constexpr,
-                         BD: tl.constexpr):
-    """Rows [pid, pid + 1) * ROWS, in order: dx = r * (dy*w - xhat * mean(dy*w*xhat)) and, when
-    HAS_DW, part[pid] = the sum of dy * xhat over those rows; FP32."""
+def _rms_backward_kernel(dout, s, w, r, ds, dx, dy, part, M, D, ROWS: tl.constexpr, HAS_DS: tl.constexpr,
+                         HAS_DY: tl.constexpr, HAS_DW: tl.constexpr, BD: tl.constexpr):
+    """Rows [pid, pid + 1) * ROWS, in order: dx = r * (dout*w - shat * mean(dout*w*shat)) (+ ds,
+    the gradient reaching s from elsewhere, when HAS_DS), and dy = dx in y's dtype when HAS_DY;
+    when HAS_DW, part[pid] = the sum of dout * shat over those rows; FP32."""
     pid = tl.program_id(0)
     d = tl.arange(0, BD)
     mask = d < D
@@ -147,13 +152,18 @@ def _rms_backward_kernel(dy, x, w, r, dx, part, M, D, ROWS: tl.constexpr, HAS_DW
         if row < M:
             ofs = row.to(tl.int64) * D + d
             rr = tl.load(r + row)
-            g = tl.load(dy + ofs, mask=mask, other=0.0).to(tl.float32)
-            xhat = tl.load(x + ofs, mask=mask, other=0.0) * rr      # the forward's x * r, same bits
+            g = tl.load(dout + ofs, mask=mask, other=0.0).to(tl.float32)
+            shat = tl.load(s + ofs, mask=mask, other=0.0) * rr      # the forward's s * r, same bits
             gw = g * wv
-            c = tl.sum(gw * xhat, axis=0) / D
-            tl.store(dx + ofs, rr * (gw - xhat * c), mask=mask)
+            c = tl.sum(gw * shat, axis=0) / D
+            grad = rr * (gw - shat * c)
+            if HAS_DS:
+                grad += tl.load(ds + ofs, mask=mask, other=0.0)
+            tl.store(dx + ofs, grad, mask=mask)
+            if HAS_DY:
+                tl.store(dy + ofs, grad.to(dy.dtype.element_ty), mask=mask)
             if HAS_DW:
-                acc += g * xhat
+                acc += g * shat
     if HAS_DW:
         tl.store(part + pid.to(tl.int64) * D + d, acc, mask=mask)
 
@@ -163,41 +173,47 @@ def _warps(block: int) -> int:
 
 
 class _RMSNorm(torch.autograd.Function):
+    """norm(x), or with y: (norm(s), s) for s = x + y."""
+
     @staticmethod
-    def forward(ctx, x2d, weight, eps, out_dtype):
+    def forward(ctx, x2d, y2d, weight, eps, out_dtype):
         M, D = x2d.shape
         bd = triton.next_power_of_2(D)
-        y = torch.empty(M, D, device=x2d.device, dtype=out_dtype)
+        out = torch.empty(M, D, device=x2d.device, dtype=out_dtype)
         r = torch.empty(M, device=x2d.device, dtype=torch.float32)
+        s = x2d if y2d is None else torch.empty_like(x2d)
         if M:
-            _rms_forward_kernel[(M,)](x2d, weight, y, r, D, eps, BD=bd, num_warps=_warps(bd))
-        ctx.save_for_backward(x2d, weight, r)
-        return y
+            _rms_forward_kernel[(M,)](x2d, s if y2d is None else y2d, s, weight, out, r, D, eps,
+                                      HAS_Y=y2d is not None, BD=bd, num_warps=_warps(bd))
+        ctx.save_for_backward(s, weight, r)
+        ctx.y_dtype = None if y2d is None else y2d.dtype
+        ctx.set_materialize_grads(False)     # s unused after the last norm: no zeros to add
+        return out if y2d is None else (out, s)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, dy):
-        x2d, weight, r = ctx.saved_tensors
-        M, D = x2d.shape
+    def backward(ctx, dout, ds=None):
+        s, weight, r = ctx.saved_tensors
+        M, D = s.shape
         bd = triton.next_power_of_2(D)
-        has_dw = ctx.needs_input_grad[1]
+        has_dw = ctx.needs_input_grad[2]
         # Rows per program: a power of two, so a run with many micro-batch shapes compiles a
         # handful of variants (one per ROWS), not one per row count; a fixed function of M.
         per = triton.next_power_of_2(triton.cdiv(M, TARGET_PROGRAMS)) if M else 1
         programs = max(1, triton.cdiv(M, per))
-        dx = torch.empty_like(x2d)
-        part = torch.empty(programs, D, device=x2d.device, dtype=torch.float32) if has_dw else None
+        dx = torch.empty_like(s)
+        dy = None if ctx.y_dtype is None else torch.empty(M, D, device=s.device, dtype=ctx.y_dtype)
+        part = torch.empty(programs, D, device=s.device, dtype=torch.float32) if has_dw else None
         if M:
             _rms_backward_kernel[(programs,)](
-                dy.contiguous(), x2d, weight, r, dx, x2d if part is None else part, M, D, ROWS=per,
+                dout.contiguous(), s, weight, r, s if ds is None else ds.contiguous(), dx, dx if dy is None else dy,
+                s if part is None else part, M, D, ROWS=per, HAS_DS=ds is not None, HAS_DY=dy is not None,
                 HAS_DW=has_dw, BD=bd, num_warps=_warps(bd))
         dw = None if part is None else sum_splits(part)
-        return dx, dw, None, None
+        return dx, dy, dw, None, None
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.dtype) -> torch.Tensor:
-    """RMSNorm of x (..., D) FP32 contiguous by weight (D,) FP32, in out_dtype (FP32, FP16 or BF16),
-    with gradients for x and weight (when it requires one)."""
+def _check_norm(x, weight, out_dtype):
     if x.dtype != torch.float32 or weight.dtype != torch.float32:
         raise ConfigError(f"rms_norm x is {x.dtype}, weight {weight.dtype}; accepted: float32 both")
     if out_dtype not in FLOATS:
@@ -208,8 +224,29 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch
         raise ConfigError(f"rms_norm x strides {x.stride()}, weight {weight.stride()}; accepted: contiguous")
     if weight.device != x.device:
         raise ConfigError(f"rms_norm weight is on {weight.device}, x on {x.device}; accepted: the same device")
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.dtype) -> torch.Tensor:
+    """RMSNorm of x (..., D) FP32 contiguous by weight (D,) FP32, in out_dtype (FP32, FP16 or BF16),
+    with gradients for x and weight (when it requires one)."""
+    _check_norm(x, weight, out_dtype)
     D = x.shape[-1]
-    return _RMSNorm.apply(x.view(-1, D), weight, float(eps), out_dtype).view(x.shape)
+    return _RMSNorm.apply(x.view(-1, D), None, weight, float(eps), out_dtype).view(x.shape)
+
+
+def add_rms_norm(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, eps: float,
+                 out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(s), s) for the residual stream s = x + y: x FP32, y (a block's output) FP32, FP16
+    or BF16 of x's shape, added in FP32 (torch's promoted sum, the same bits) in the norm's own
+    pass. Backward takes the gradient reaching s from the rest of the stream into the same pass
+    and gives y its gradient in y's dtype."""
+    _check_norm(x, weight, out_dtype)
+    if y.dtype not in FLOATS or y.shape != x.shape or y.device != x.device or not y.is_contiguous():
+        raise ConfigError(f"add_rms_norm y is {y.dtype} {tuple(y.shape)} on {y.device}; accepted: float32, "
+                          f"float16 or bfloat16, contiguous, x's shape {tuple(x.shape)} on {x.device}")
+    D = x.shape[-1]
+    out, s = _RMSNorm.apply(x.view(-1, D), y.view(-1, D), weight, float(eps), out_dtype)
+    return out.view(x.shape), s.view(x.shape)
 
 
 @triton.jit
@@ -278,5 +315,14 @@ class FusedRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x):
-        dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else torch.float32
-        return rms_norm(x.float(), self.weight.float(), self.eps, dtype)
+        return rms_norm(x, self.weight, self.eps, self._out_dtype())
+
+    def add(self, x, y):
+        """(norm(x + y), x + y) in one kernel; y None: (norm(x), x)."""
+        if y is None:
+            return self(x), x
+        return add_rms_norm(x, y.contiguous(), self.weight, self.eps, self._out_dtype())
+
+    @staticmethod
+    def _out_dtype():
+        return torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else torch.float32

@@ -32,12 +32,35 @@ class Dense(nn.Module):
         self.weight = weight
 
     def forward(self, x):
-        if torch.is_autocast_enabled(x.device.type):
-            return F.linear(x, self.weight)  # autocast casts it, once per forward if it is trained
-        return F.linear(x, self.weight.to(x.dtype))
+        if not torch.is_autocast_enabled(x.device.type):
+            return F.linear(x, self.weight.to(x.dtype))
+        if self.weight.requires_grad:
+            return _TrainedProjection.apply(x, self.weight, torch.get_autocast_dtype(x.device.type))
+        return F.linear(x, self.weight)  # autocast casts it (a no-op for a weight kept in that dtype)
 
     def lookup(self, tokens):
         return F.embedding(tokens, self.weight)
+
+
+class _TrainedProjection(torch.autograd.Function):
+    """x @ W^T for a trained FP32 weight under a low-precision policy: the product in `dtype`
+    with FP32 accumulation, as autocast makes it, and the weight's gradient g^T x accumulated in
+    FP32 and written in FP32 by its GEMM (CUDA). Through autocast the gradient came out of the
+    GEMM rounded to `dtype`, transposed, and was then converted and made contiguous: two more
+    passes over every weight an update, and a rounding."""
+
+    @staticmethod
+    def forward(ctx, x, weight, dtype):
+        x, w = x.to(dtype), weight.to(dtype)
+        ctx.save_for_backward(x, w)
+        return F.linear(x, w)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        dx = g @ w if ctx.needs_input_grad[0] else None
+        dw = torch.mm(g.flatten(0, -2).t(), x.flatten(0, -2), out_dtype=torch.float32) if ctx.needs_input_grad[1] else None
+        return dx, dw, None
 
 
 class RMSNorm(nn.Module):
@@ -49,6 +72,12 @@ class RMSNorm(nn.Module):
     def forward(self, x):
         x = x.float()  # norms run in FP32 under every precision policy
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+    def add(self, x, y):
+        """(norm(x + y), x + y): the residual stream x after adding a block's output y (None:
+        nothing to add), and its norm (a fused norm makes both in one pass)."""
+        x = x if y is None else x + y
+        return self(x), x
 
 
 def rope_tables(config: LlamaConfig, T: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -109,11 +138,13 @@ class Block(nn.Module):
     def mlp(self, x):
         return self.ffn_down(self.swiglu(self.ffn_gate(x), self.ffn_up(x)))
 
-    def forward(self, x, cos, sin):
-        # The residual stream is FP32: adding a FP16/BF16 projection output promotes it exactly
-        # inside the add (the same bits as converting it first, one kernel fewer).
-        x = x + self.attention(self.attn_norm(x), cos, sin)
-        return x + self.mlp(self.ffn_norm(x))
+    def forward(self, x, y, cos, sin):
+        """x: the FP32 residual stream before the previous block's output y (None before the
+        first block) is added. Each norm adds the output before it (a FP16/BF16 output is
+        promoted exactly inside the add); this block's own output is returned for the next."""
+        h, x = self.attn_norm.add(x, y)
+        h, x = self.ffn_norm.add(x, self.attention(h, cos, sin))
+        return x, self.mlp(h)
 
 
 class Llama(nn.Module):
@@ -139,10 +170,10 @@ class Llama(nn.Module):
         if (T, tokens.device) not in self.rope:
             self.rope[T, tokens.device] = rope_tables(self.config, T, tokens.device)
         cos, sin = self.rope[T, tokens.device]
-        x = self.tok_embd.lookup(tokens).float()  # (B, T, D)
+        x, y = self.tok_embd.lookup(tokens).float(), None   # (B, T, D)
         for layer in self.layers:
-            x = layer(x, cos, sin)
-        return self.output_norm(x)                 # (B, T, D)
+            x, y = layer(x, y, cos, sin)
+        return self.output_norm.add(x, y)[0]                 # (B, T, D)
 
     def forward(self, tokens):
         return self.head()(self.hidden(tokens)).float()  # (B, T, V)

@@ -21,7 +21,7 @@ import torch
 from ..adapters.base import seeded
 from ..errors import ConfigError, DataError
 from .loss import batch, gradients, summed_loss
-from .optim import AdamW, all_finite, clip_by_global_norm
+from .optim import AdamW, all_finite, clip_divisor
 from .profile import Profile
 from .scaler import LossScale
 
@@ -147,13 +147,14 @@ def run(model, params: dict, trainable: dict, method, training, validation, stat
         while True:  # one pass, or FP16 replays of the same window after an overflow
             # FP16: the gradient of the loss-scaled sum; otherwise of the sum / the window's tokens.
             grad_scale = torch.tensor(scale.scale if fp16 else 1.0 / window_tokens, device=device)
-            window_loss, total = 0.0, None
+            # The window's loss sums in float64 on the device; the host reads it once the update
+            # is queued (FP16 checks each micro-batch before its overflow test reads the gradients).
+            window_loss, total = torch.zeros((), dtype=torch.float64, device=device), None
             for inputs, targets in micro_batches:
                 loss, grads = step(inputs, targets, grad_scale)
-                if not torch.isfinite(loss):
-                    raise DataError(f"the training loss became non-finite ({float(loss)}) at update "
-                                    f"{state.updates + 1}; lower the rate")
-                window_loss += float(loss)
+                window_loss += loss
+                if fp16:
+                    _check_finite(float(window_loss), state.updates + 1)
                 # The first micro-batch's gradients are used as they are when it is the only one
                 # (a recorded graph's outputs are consumed before its next replay); later ones add.
                 if total is None:
@@ -170,8 +171,9 @@ def run(model, params: dict, trainable: dict, method, training, validation, stat
             scale = scale.overflowed(state.updates + 1)
         if method is not None:
             method.precondition(grads, params)
-        clip_by_global_norm(grads, state.run.clip_norm)
-        optimizer.step(trainable, grads, moments, state.updates + 1)
+        optimizer.step(trainable, grads, moments, state.updates + 1, clip_divisor(grads, state.run.clip_norm))
+        window_loss = float(window_loss)
+        _check_finite(window_loss, state.updates + 1)
         if fp16:
             scale = scale.succeeded()
         losses.append(window_loss / window_tokens)
@@ -185,6 +187,11 @@ def run(model, params: dict, trainable: dict, method, training, validation, stat
     if bar:
         bar.close()
     return replace(state, validation_loss=evaluate(model, validation, device, profile))
+
+
+def _check_finite(loss: float, update: int) -> None:
+    if not math.isfinite(loss):
+        raise DataError(f"the training loss became non-finite ({loss}) at update {update}; lower the rate")
 
 
 class _Progress:

@@ -33,12 +33,14 @@ def chunk_positions(vocab: int, itemsize: int = 4) -> int:
 
 
 def _chunk_head(head, profile):
-    """The head as every chunk calls it. A frozen dense head is cast to the operand dtype here,
-    once: autocast caches the casts of trainable leaves only and would otherwise cast the whole
-    (V, D) matrix again for each chunk. The same bits either way."""
+    """The head as every chunk calls it. A dense head is cast to the operand dtype here, once,
+    where no chunk differentiates through it: frozen, or trained with the fused cross-entropy,
+    which makes the weight's gradient itself (`_fused_chunk`) and asks autograd for the hidden
+    states' only."""
     w = getattr(head, "weight", None)
-    if type(head) is Dense and profile.precision != "float32" and not w.requires_grad:
-        return Dense(w.to(profile.compute_dtype))
+    fused = profile.layer_kernel == "fused"
+    if type(head) is Dense and profile.precision != "float32" and (fused or not w.requires_grad):
+        return Dense(w.detach().to(profile.compute_dtype))
     return head
 
 
@@ -84,11 +86,18 @@ def gradients(model, leaves: list, profile, inputs, targets, scale: torch.Tensor
     (detached) and the gradients of scale x loss with respect to `leaves`, in their order."""
     with profile.autocast(inputs.device.type):
         h = model.hidden(inputs).flatten(0, 1)                # (N, D), FP32 (the operand dtype: fused norm)
-        head, fused = _chunk_head(model.head(), profile), profile.layer_kernel == "fused"
+        head, fused = model.head(), profile.layer_kernel == "fused"
         itemsize = profile.compute_dtype.itemsize if fused else 4
         step = chunk_positions(model.config.vocab_size, itemsize)
-        objective, loss = _HeadLoss.apply(h, targets.flatten(), head, step, scale, fused, *_trainable(head))
-    return loss, torch.autograd.grad(objective, leaves)
+        weights = _trainable(head)
+        objective, loss, *head_grads = _HeadLoss.apply(h, targets.flatten(), _chunk_head(head, profile), step,
+                                                       scale, fused, weights)
+    # The head's gradients join their leaves here: unused elsewhere, or a tied embedding's.
+    grads = list(torch.autograd.grad(objective, leaves, allow_unused=bool(weights)))
+    for w, gw in zip(weights, head_grads):
+        i = next(i for i, leaf in enumerate(leaves) if leaf is w)
+        grads[i] = gw if grads[i] is None else grads[i].add_(gw)
+    return loss, grads
 
 
 def _fused_chunk(head, hc, targets, scale, grad_w):
@@ -107,8 +116,13 @@ def _fused_chunk(head, hc, targets, scale, grad_w):
 
 
 class _HeadLoss(torch.autograd.Function):
+    """(scale x the summed loss, the summed loss, the trained head weights' gradients of the
+    former): a chunk at a time, each chunk's gradients made in the forward. The head's weight
+    gradients leave as outputs, not through autograd, which would multiply all V x D of them by
+    the incoming gradient; `gradients` backpropagates exactly 1 and adds them itself."""
+
     @staticmethod
-    def forward(ctx, h, targets, head, step, scale, fused, *weights):
+    def forward(ctx, h, targets, head, step, scale, fused, weights):
         grad_h = torch.empty_like(h)
         grad_w = [torch.zeros_like(w) for w in weights]
         total = torch.zeros((), device=h.device)
@@ -125,12 +139,12 @@ class _HeadLoss(torch.autograd.Function):
                     for acc, g in zip(grad_w, grads[1:]):
                         acc += g                              # FP32, chunk order
             total += loss.detach()
-        ctx.save_for_backward(grad_h, *grad_w)
-        ctx.mark_non_differentiable(total)
-        return total * scale, total
+        ctx.save_for_backward(grad_h)
+        ctx.mark_non_differentiable(total, *grad_w)
+        return total * scale, total, *grad_w
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, g, _):
-        grad_h, *grad_w = ctx.saved_tensors
-        return (grad_h * g, None, None, None, None, None, *(w * g for w in grad_w))
+    def backward(ctx, g, *_):
+        (grad_h,) = ctx.saved_tensors
+        return grad_h * g, None, None, None, None, None, None

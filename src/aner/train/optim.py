@@ -24,26 +24,28 @@ class AdamW:
     weight_decay: float = 0.0
 
     @torch.no_grad()
-    def update(self, ps: list, gs: list, ms: list, vs: list, t: torch.Tensor) -> None:
+    def update(self, ps: list, gs: list, ms: list, vs: list, t: torch.Tensor, divisor=None) -> None:
         """One AdamW update of (slices of) parameters and their moments, in place; t is the update
-        number (1-based) as a 0-dim FP32 tensor on their device (`step_count`). The kernel walks
-        flat memory: parameters and moments must be contiguous, and gradients are made so (an
-        adapter factor's gradient is often a transposed view)."""
+        number (1-based) as a 0-dim FP32 tensor on their device (`step_count`). `divisor` (a 0-dim
+        FP32 tensor there, from `clip_divisor`, or None): each gradient is divided by it as it is
+        read (IEEE FP32 division) and written back so divided. The kernel walks flat memory:
+        parameters and moments must be contiguous, and gradients are made so (an adapter factor's
+        gradient is often a transposed view)."""
         assert all(x.is_contiguous() for x in (*ps, *ms, *vs)), "AdamW state must be contiguous"
         gs = [g.contiguous() for g in gs]
         torch._fused_adamw_(ps, gs, ms, vs, [], [t] * len(ps), lr=self.rate, beta1=self.betas[0],
                             beta2=self.betas[1], weight_decay=self.weight_decay, eps=self.eps,
-                            amsgrad=False, maximize=False)
+                            amsgrad=False, maximize=False, grad_scale=divisor)
 
     def init_moments(self, params: dict) -> dict:
         return {n: (torch.zeros_like(p), torch.zeros_like(p)) for n, p in params.items()}
 
-    def step(self, params: dict, grads: dict, moments: dict, t: int) -> None:
+    def step(self, params: dict, grads: dict, moments: dict, t: int, divisor=None) -> None:
         """Update `params` and `moments` in place for update number `t` (1-based)."""
         names = sorted(params)
         if names:
             self.update([params[n] for n in names], [grads[n] for n in names], [moments[n][0] for n in names],
-                        [moments[n][1] for n in names], step_count(t, params[names[0]].device))
+                        [moments[n][1] for n in names], step_count(t, params[names[0]].device), divisor)
 
 
 def step_count(t: int, device) -> torch.Tensor:
@@ -52,15 +54,19 @@ def step_count(t: int, device) -> torch.Tensor:
 
 
 @torch.no_grad()
-def clip_by_global_norm(grads: dict, clip_norm: float) -> float:
-    """Scale gradients so their global L2 norm is at most clip_norm. Each tensor's norm is taken
-    in float64 and the squares are summed in float64 in name order."""
+def clip_divisor(grads: dict, clip_norm: float) -> torch.Tensor | None:
+    """What the gradients are divided by so their global L2 norm is at most clip_norm: (norm +
+    1e-6) / clip_norm where the norm exceeds clip_norm, else exactly 1, as a 0-dim FP32 tensor
+    made on their device (no wait for the host); None when clip_norm is 0 (no clipping). Each
+    tensor's norm is taken in float64 and the squares are summed in float64 in name order.
+    AdamW divides each gradient as it reads it (`AdamW.update`), so clipping makes no pass of its
+    own over the gradients."""
+    if clip_norm <= 0:
+        return None
     names = sorted(grads)
     norms = torch._foreach_norm([grads[n] for n in names], 2, dtype=torch.float64)
-    norm = float(torch.stack(norms).pow(2).sum().sqrt())
-    if clip_norm > 0 and norm > clip_norm:
-        torch._foreach_mul_([grads[n] for n in names], clip_norm / (norm + 1e-6))
-    return norm
+    norm = torch.stack(norms).pow(2).sum().sqrt()
+    return torch.where(norm > clip_norm, (norm + 1e-6) / clip_norm, 1.0).float()
 
 
 def all_finite(grads: dict) -> bool:

@@ -30,7 +30,7 @@ class PagedAdamW:
                     torch.zeros(p.shape, dtype=torch.float32, pin_memory=True)) for n, p in params.items()}
 
     @torch.no_grad()
-    def step(self, params: dict, grads: dict, moments: dict, t: int) -> None:
+    def step(self, params: dict, grads: dict, moments: dict, t: int, divisor=None) -> None:
         step = self.page_bytes // 4
         chunks = [(n, s, min(s + step, params[n].numel())) for n in sorted(params)
                   for s in range(0, params[n].numel(), step)]
@@ -58,7 +58,8 @@ class PagedAdamW:
                 load(k + 1)  # the side stream issued chunk k-1's write-back first, so its buffer is free
             main.wait_event(loaded[b])
             bm, bv = bufs[b]
-            self.adamw.update([params[name].view(-1)[s:e]], [grads[name].view(-1)[s:e]], [bm[:e - s]], [bv[:e - s]], count)
+            self.adamw.update([params[name].view(-1)[s:e]], [grads[name].view(-1)[s:e]], [bm[:e - s]], [bv[:e - s]],
+                              count, divisor)
             computed[b].record(main)
             m, v = moments[name]
             with torch.cuda.stream(side):
