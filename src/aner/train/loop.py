@@ -146,7 +146,7 @@ def run(model, params: dict, trainable: dict, method, training, validation, stat
                          for s in range(0, len(examples), state.run.micro_batch)]
         while True:  # one pass, or FP16 replays of the same window after an overflow
             # FP16: the gradient of the loss-scaled sum; otherwise of the sum / the window's tokens.
-            grad_scale = torch.tensor(scale.scale if fp16 else 1.0 / window_tokens, device=device)
+            grad_scale = torch.full((), scale.scale if fp16 else 1.0 / window_tokens, device=device)  # no host copy
             # The window's loss sums in float64 on the device; the host reads it once the update
             # is queued (FP16 checks each micro-batch before its overflow test reads the gradients).
             window_loss, total = torch.zeros((), dtype=torch.float64, device=device), None
@@ -171,8 +171,9 @@ def run(model, params: dict, trainable: dict, method, training, validation, stat
             scale = scale.overflowed(state.updates + 1)
         if method is not None:
             method.precondition(grads, params)
+        read_loss = _read_later(window_loss)       # copied before the update, read while it runs
         optimizer.step(trainable, grads, moments, state.updates + 1, clip_divisor(grads, state.run.clip_norm))
-        window_loss = float(window_loss)
+        window_loss = read_loss()
         _check_finite(window_loss, state.updates + 1)
         if fp16:
             scale = scale.succeeded()
@@ -187,6 +188,18 @@ def run(model, params: dict, trainable: dict, method, training, validation, stat
     if bar:
         bar.close()
     return replace(state, validation_loss=evaluate(model, validation, device, profile))
+
+
+def _read_later(t: torch.Tensor):
+    """Start copying a 0-dim tensor to the host; return what waits for that copy alone and gives
+    it as a float (on a GPU: into pinned memory, so work queued after it runs on meanwhile)."""
+    if t.device.type != "cuda":
+        return lambda: float(t)
+    host = torch.empty((), dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    copied = torch.cuda.Event()
+    copied.record()
+    return lambda: copied.synchronize() or float(host)
 
 
 def _check_finite(loss: float, update: int) -> None:

@@ -53,7 +53,15 @@ def batch(examples, device):
         tokens[i, :len(e.tokens)] = torch.tensor(e.tokens)
         targets[i, e.prompt_len:len(e.tokens)] = tokens[i, e.prompt_len:len(e.tokens)]
     # position t predicts token t+1; causal attention keeps padding (at the end) out of real positions
-    return tokens[:, :-1].to(device), targets[:, 1:].to(device)
+    return _to(tokens[:, :-1], device), _to(targets[:, 1:], device)
+
+
+def _to(t, device):
+    """t on `device`; to a GPU from pinned memory, so the host does not wait for the work already
+    queued there (the copy takes its place in the stream behind it)."""
+    if torch.device(device).type == "cuda":
+        return t.contiguous().pin_memory().to(device, non_blocking=True)
+    return t.to(device)
 
 
 def _cross_entropy(head, h, targets) -> torch.Tensor:
