@@ -166,7 +166,9 @@ def peer(combos: list[str], out: Path, steps: int) -> dict:
 
 def profile(combo: str, updates=2, warmup=2):
     """Where the GPU time of `updates` updates goes, recorded after `warmup` updates: the call's
-    start (private copies, moments, recording graphs) and the final validation pass stay out."""
+    start (private copies, moments, recording graphs) and the final validation pass stay out.
+    Each update's end waits for the GPU here (the profiler's step), so the gap after it is the
+    profile's own."""
     model, method, choices = parse(combo)
     base = random_model(model)
     tr, va = data(base.config().vocab_size)
@@ -203,7 +205,8 @@ def idle(prof, top=12):
         if e["ts"] + e["dur"] >= end:
             end, prev = e["ts"] + e["dur"], e
     span = end - gpu[0]["ts"]
-    print(f"GPU timeline {span / 1e3:.1f} ms, idle {sum(g for g, _, _ in gaps) / 1e3:.1f} ms in {len(gaps)} gaps; largest:")
+    total = sum(g for g, _, _ in gaps)
+    print(f"GPU timeline {span / 1e3:.1f} ms, idle {total / 1e3:.1f} ms in {len(gaps)} gaps; largest:")
     for g, a, b in sorted(gaps, reverse=True)[:top]:
         print(f"  {g / 1e3:7.2f} ms  after {a}  before {b}")
 

@@ -59,7 +59,9 @@ class _TrainedProjection(torch.autograd.Function):
     def backward(ctx, g):
         x, w = ctx.saved_tensors
         dx = g @ w if ctx.needs_input_grad[0] else None
-        dw = torch.mm(g.flatten(0, -2).t(), x.flatten(0, -2), out_dtype=torch.float32) if ctx.needs_input_grad[1] else None
+        dw = None
+        if ctx.needs_input_grad[1]:
+            dw = torch.mm(g.flatten(0, -2).t(), x.flatten(0, -2), out_dtype=torch.float32)
         return dx, dw, None
 
 
