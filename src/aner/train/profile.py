@@ -14,11 +14,13 @@
                                               entropy run on a GPU: torch ops, or Triton kernels
                                               that read and write each activation once
                                               (`kernels/layer.py`, `kernels/cross_entropy.py`).
-                                              RoPE gives the same bits; RMSNorm sums its squares
-                                              in another order and hands the projections its
-                                              output already in the operand dtype (rounded once,
-                                              as the casts did), so the gradients of q, k, v
-                                              (gate, up) meet in that dtype; SwiGLU rounds once
+                                              RoPE gives the same bits; RMSNorm adds the block
+                                              output to the residual stream in its own pass (the
+                                              same sum), sums its squares in another order and
+                                              hands the projections its output already in the
+                                              operand dtype (rounded once, as the casts did), so
+                                              the gradients of q, k, v (gate, up) meet in that
+                                              dtype; SwiGLU rounds once
                                               where the torch ops round silu(gate) first; the
                                               loss is the same FP32 formula, its reductions in
                                               another order
