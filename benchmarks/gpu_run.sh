@@ -6,7 +6,7 @@
 #               TESTS="tests/test_kernels.py -k 'fast or exact'")
 #   profiles    benchmarks/gpu_profiles.py (the profile matrix)      -> <date>-h200-profiles.json
 #   kernels     benchmarks/nf4_kernels.py (fused NF4 against dense)  -> <date>-h200-nf4-kernels.json
-#               (KERNELS=--quick: the 4096 x 4096 points only)
+#               (KERNELS=--quick: the 4096 x 4096 points only; "--defaults --problems N,K,M ...": the default rows there)
 #   lora        benchmarks/lora_kernels.py (fused adapter kernels)   -> <date>-h200-lora-kernels.json
 #   adamw       benchmarks/adamw.py (ours against torch.optim.AdamW) -> <date>-h200-adamw.json
 #   throughput  benchmarks/throughput.py (ours against the peer)     -> <date>-h200.json
