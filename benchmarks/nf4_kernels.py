@@ -133,14 +133,11 @@ def run_problem(N, Kin, M, sweep, dtype, rows, dev, defaults_only=False):
                          tflops=flops / dense[op] / 1e9))
         regime = "big" if M >= 1024 else "small"
         default = K.default_config(op, M, N, Kin, dtype)
-        variants = {"default": default}
         if dtype != torch.float32:
-            variants.update((label(c), c) for c in VARIANTS[(op, regime)] if sweep or label(c) in SHORTLIST)
+            others = [c for c in VARIANTS[(op, regime)] if sweep or label(c) in SHORTLIST]
         else:
-            fma = dataclasses.replace(default, tc=False)
-            variants[label(fma)] = fma
-        if defaults_only:
-            variants = {"default": default}
+            others = [dataclasses.replace(default, tc=False)]           # FP32 multiply-adds
+        variants = {"default": default, **({} if defaults_only else {label(c): c for c in others})}
         launch = K.nf4_matmul if op == "matmul" else K.nf4_matmul_t
         arg = "x" if op == "matmul" else "g"
         ref, scale = (ref_y, scale_y) if op == "matmul" else (ref_dx, scale_dx)

@@ -114,7 +114,9 @@ def select(base, method, choices):
     return base.lora(targets=TARGETS, rank=16, alpha=32.0).with_training_profile(**profile)
 
 
-def ours(combo: str, steps=10, warmup=3) -> dict:
+def start(combo: str, updates: int):
+    """(source model, training data, validation data, the start of a run of `updates` updates):
+    the random base released and the allocator's peak reset before the run's private copies."""
     model, method, choices = parse(combo)
     base = random_model(model)
     tr, va = data(base.config().vocab_size)
@@ -124,7 +126,13 @@ def ours(combo: str, steps=10, warmup=3) -> dict:
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     micro = MICRO_BATCH.get(model, BATCH)
-    state, _ = src._fine_tune_start(tr, va, warmup + steps, micro, BATCH // micro, 1e-4, 0, 1.0)
+    state, _ = src._fine_tune_start(tr, va, updates, micro, BATCH // micro, 1e-4, 0, 1.0)
+    return src, tr, va, state
+
+
+def ours(combo: str, steps=10, warmup=3) -> dict:
+    model, method, _ = parse(combo)
+    src, tr, va, state = start(combo, warmup + steps)
     ends = []
 
     def tick(state, view):
@@ -145,7 +153,7 @@ def ours(combo: str, steps=10, warmup=3) -> dict:
               "tokens_per_s": steps * BATCH * SEQ / sum(step_seconds),
               "peak_bytes": torch.cuda.max_memory_allocated(), "step_seconds": step_seconds,
               "losses": losses, "finite": all(map(math.isfinite, losses)),
-              "loss_fell": losses[-1] < losses[0], "parameters": m.parameters(), "micro_batch": micro,
+              "loss_fell": losses[-1] < losses[0], "parameters": m.parameters(), "micro_batch": state.run.micro_batch,
               "trainable_parameters": m.trainable_parameters(), "training_profile": m.training_profile()}
     del m, src
     gc.collect()
@@ -169,12 +177,7 @@ def profile(combo: str, updates=2, warmup=2):
     start (private copies, moments, recording graphs) and the final validation pass stay out.
     Each update's end waits for the GPU here (the profiler's step), so the gap after it is the
     profile's own."""
-    model, method, choices = parse(combo)
-    base = random_model(model)
-    tr, va = data(base.config().vocab_size)
-    src = select(base, method, choices)
-    micro = MICRO_BATCH.get(model, BATCH)
-    state, _ = src._fine_tune_start(tr, va, warmup + updates + 1, micro, BATCH // micro, 1e-4, 0, 1.0)
+    src, tr, va, state = start(combo, warmup + updates + 1)
     acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     schedule = torch.profiler.schedule(wait=warmup, warmup=0, active=updates, repeat=1)
     with torch.profiler.profile(activities=acts, record_shapes=True, schedule=schedule) as prof:
@@ -183,8 +186,8 @@ def profile(combo: str, updates=2, warmup=2):
     print(f"# {combo}: {updates} updates after {warmup}")
     print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=30, max_name_column_width=70))
     # the copies, additions and products by operand shapes: which tensors the casts and adds are
-    rows = [e for e in prof.key_averages(group_by_input_shape=True) if e.key in ("aten::copy_", "aten::add_", "aten::mm",
-                                                                                 "aten::addmm", "aten::add", "aten::mul")]
+    ops = ("aten::copy_", "aten::add_", "aten::mm", "aten::addmm", "aten::add", "aten::mul")
+    rows = [e for e in prof.key_averages(group_by_input_shape=True) if e.key in ops]
     for e in sorted(rows, key=lambda e: -e.self_device_time_total)[:25]:
         print(f"{e.key:12} {e.count:6} {e.self_device_time_total / 1e3:9.1f} ms  {str(e.input_shapes)[:110]}")
     idle(prof)
@@ -196,7 +199,7 @@ def idle(prof, top=12):
     import tempfile
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         prof.export_chrome_trace(f.name)
-        events = json.load(open(f.name))["traceEvents"]
+        events = json.loads(Path(f.name).read_text())["traceEvents"]
     gpu = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")), key=lambda e: e["ts"])
     gaps, end, prev = [], gpu[0]["ts"], gpu[0]
     for e in gpu:

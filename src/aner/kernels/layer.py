@@ -3,6 +3,7 @@ writes its output once, in the dtype the next matmul wants, forward and backward
 
     rope      (B, n, T, E) -> (B, n, T, E)   out = x * cos + swap_pairs(x) * sin
     rms_norm  (..., D) -> (..., D)           y = (x * rsqrt(mean(x^2) + eps)) * weight
+    add_rms_norm  x, y -> (rms_norm(x + y), x + y)   the residual add in the norm's own pass
     swiglu    (..., F), (..., F) -> (..., F)  y = silu(gate) * up
 
 Written with torch ops, RoPE is a conversion, two products, a flip and a sum, each a kernel
@@ -14,13 +15,16 @@ launch passes enable_fp_fusion=False, so no FMA rounds once instead), then one r
 out_dtype: the same bits as `apply_rope(x, cos, sin).to(out_dtype)`. Its backward gives the same
 bits as torch autograd through that expression: dx[e] = g[e] * cos[e] + g[e^1] * sin[e^1] in FP32
 (the gradient reaches x by two paths, x * cos and the flip; their FP32 sum is commutative), one
-rounding to x's dtype. rms_norm: per row r = rsqrt(sum(x^2) / D + eps) in FP32 (tl.rsqrt: within
-2 ulp on the GPU), y = (x * r) * weight in FP32, one rounding to out_dtype; the sum of squares is
+rounding to x's dtype. rms_norm: per row r = rsqrt(sum(x^2) / D + eps) in FP32 (tl.rsqrt: within 2
+ulp on the GPU), y = (x * r) * weight in FP32, one rounding to out_dtype; the sum of squares is
 reduced in another order than torch's, so y agrees to FP32 accuracy, not bit for bit. Backward
-keeps x and r (FP32), not y: dx = r * (dy*w - xhat * mean(dy*w*xhat)), xhat = x * r, all in FP32. swiglu: gate and up in
-FP32, sigmoid = 1 / (1 + exp(-gate)) (IEEE division, the GPU's exp), y = gate * sigmoid * up
-rounded once (the torch expression also rounds silu(gate) to the operands' dtype first); its
-backward recomputes the sigmoid from the saved gate and up, and rounds each gradient once.
+keeps x and r (FP32), not y: dx = r * (dy*w - xhat * mean(dy*w*xhat)), xhat = x * r, all in FP32.
+add_rms_norm: s = x + y in FP32 (y converted exactly: torch's promoted sum, the same bits), then
+rms_norm of s; its backward adds the gradient reaching s from the rest of the stream to dx in FP32
+and gives y that sum rounded once to y's dtype. swiglu: gate and up in FP32, sigmoid = 1 / (1 +
+exp(-gate)) (IEEE division, the GPU's exp), y = gate * sigmoid * up rounded once (the torch
+expression also rounds silu(gate) to the operands' dtype first); its backward recomputes the
+sigmoid from the saved gate and up, and rounds each gradient once.
 
 Determinism: no atomics, no autotuning. dweight = sum over rows of dy * xhat: each backward
 program sums its fixed block of rows in row order into one partial row, and `sum_splits` adds the

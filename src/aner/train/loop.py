@@ -199,7 +199,11 @@ def _read_later(t: torch.Tensor):
     host.copy_(t, non_blocking=True)
     copied = torch.cuda.Event()
     copied.record()
-    return lambda: copied.synchronize() or float(host)
+
+    def read() -> float:
+        copied.synchronize()
+        return float(host)
+    return read
 
 
 def _check_finite(loss: float, update: int) -> None:

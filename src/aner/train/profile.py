@@ -20,10 +20,9 @@
                                               hands the projections its output already in the
                                               operand dtype (rounded once, as the casts did), so
                                               the gradients of q, k, v (gate, up) meet in that
-                                              dtype; SwiGLU rounds once
-                                              where the torch ops round silu(gate) first; the
-                                              loss is the same FP32 formula, its reductions in
-                                              another order
+                                              dtype; SwiGLU rounds once where the torch ops
+                                              round silu(gate) first; the loss is the same FP32
+                                              formula, its reductions in another order
 
 Mixed precision is an operation policy, not a conversion: master weights, their gradients, the
 Adam moments, RMSNorm, RoPE, softmax and the loss stay FP32; only projection and attention matrix
