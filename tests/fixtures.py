@@ -125,6 +125,13 @@ def tokens(n, vocab=49152, seed=0):
     return np.random.default_rng(seed).integers(0, vocab, n).tolist()
 
 
+# Max abs difference of our FP32 logits from llama.cpp's. The FP32 rounding of both sides depends
+# on the CPU's vector width: SmolLM2 (max |logit| 30.5, 32 tokens) measured 1.06e-4 on an AVX-512
+# machine, 7.5e-5 there with torch's GEMMs held to AVX2 (MKL_ENABLE_INSTRUCTIONS=AVX2), 6e-5..8e-5
+# over other token draws. A wrong norm, rotation or adapter is off by 1e-2 or more.
+LLAMA_TOL = 2e-4
+
+
 def llama_logits(path, toks, adapter=None):
     """llama.cpp's logits of every position of `toks`, optionally with an adapter manifest."""
     from aner import llm

@@ -24,9 +24,8 @@ from aner.model.llama import Dense
 from aner.train.loop import RunConfig, TrainState, window
 from aner.train.loss import IGNORE, batch
 from conftest import EXAMPLES
-from fixtures import Shape, assert_same_state, llama_logits, tokens
+from fixtures import LLAMA_TOL as TOL, Shape, assert_same_state, llama_logits, tokens
 
-TOL = 1e-4
 SELECT = {
     "lora": lambda b, **kw: b.lora(**kw),
     "rslora": lambda b, **kw: b.rs_lora(**kw),

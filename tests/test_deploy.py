@@ -8,13 +8,7 @@ from aner import AnerError, gen, llm
 from aner.errors import ArtifactError, ConfigError
 from aner.formats.gguf import read_gguf
 from conftest import EXAMPLES
-from fixtures import Shape, llama_logits, tokens
-
-TOL = 1e-4
-
-
-
-
+from fixtures import LLAMA_TOL as TOL, Shape, llama_logits, tokens
 
 
 @pytest.mark.parametrize("shape,dtype", [(Shape(), "f32"), (Shape(tied=False, n_kv_head=4), "f16"),

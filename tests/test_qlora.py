@@ -23,9 +23,8 @@ from aner.model.llama import Dense
 from aner.quant.module import NF4Module
 from aner.quant.nf4 import NF4Weight
 from aner.quant.storage import PACK_CHUNK, pack_matrix, packed_nbytes
-from fixtures import Shape, llama_logits, tokens
+from fixtures import LLAMA_TOL as TOL, Shape, llama_logits, tokens
 
-TOL = 1e-4
 MiB = 1 << 20
 
 # The seed's SmolLM2-135M measurement: owned NF4 base (double quantization, norm vectors in FP32).
