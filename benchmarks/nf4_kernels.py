@@ -1,4 +1,5 @@
-"""Fused NF4 Triton kernels against dense cuBLAS (and bitsandbytes, when importable), on a GPU.
+"""NF4 products against dense cuBLAS (and bitsandbytes, when importable), on a GPU: the fused
+Triton kernels, and the decoded ones (the whole weight decoded by `nf4_decode`, then cuBLAS).
 
     PYTHONPATH=src python3 benchmarks/nf4_kernels.py OUT.json [--quick | --problems N,K,M ...] [--defaults]
 
@@ -7,7 +8,9 @@ For each problem it first checks every variant on fresh random data against an F
 ms; do_bench flushes L2 before each call, and the calls rotate over ROTATE input/weight sets).
 Ratios are to the dense BF16 product of the same shape: `x @ w.t()` forward, `g @ w` input
 gradient. Several tile configurations run in the same call so the best can be picked later; the
-row marked `default` is what default_config() chooses. --quick: the N=K=4096 points only;
+row marked `default` is what default_config() chooses; `decoded` is nf4_kernel="decoded" (the
+decode and the product), and the `decode` row the decode alone, with its bytes moved per second
+(packed bytes read, decoded bytes written). --quick: the N=K=4096 points only;
 --problems: these (N, K, M) only, every variant; --defaults: only the default rows (to compare
 two versions of the kernels in one session).
 """
@@ -154,6 +157,18 @@ def run_problem(N, Kin, M, sweep, dtype, rows, dev, defaults_only=False):
                 row.update(ok=False, error=f"{type(e).__name__}: {str(e)[:300]}")
             rows.append(row)
             print(fmt(row), flush=True)
+        decoded = (lambda s: torch.nn.functional.linear(s["x"], K.nf4_decode(s["packed"], dtype))) if op == "matmul" \
+            else (lambda s: s["g"] @ K.nf4_decode(s["packed"], dtype))
+        err = rel_err(decoded(s0), ref, scale)
+        ms = bench(decoded, sets)
+        rows.append(dict(base, op=op, impl="aner-nf4", variant="decoded", ms=ms, ratio=ms / dense[op],
+                         tflops=flops / ms / 1e9, rel_err=err, ok=err <= TOL[dtype], is_default=False))
+        print(fmt(rows[-1]), flush=True)
+    ms = bench(lambda s: K.nf4_decode(s["packed"], dtype), sets)
+    moved = s0["packed"].nbytes() + N * Kin * dtype.itemsize
+    rows.append(dict(base, op="decode", impl="aner-decode", variant="nf4_decode", ms=ms, ratio=ms / dense["matmul"],
+                     gb_per_s=moved / ms / 1e6))
+    print(fmt(rows[-1]), flush=True)
     if dtype == torch.bfloat16:
         fn = bnb_forward(sets)
         if fn is not None:
@@ -172,7 +187,8 @@ def fmt(r):
         return head + f" FAILED {r.get('error', '')[:120]}"
     flag = "*" if r.get("is_default") else " "
     extra = f" err={r['rel_err']:.1e}{'' if r.get('ok', True) else ' WRONG'}" if "rel_err" in r else ""
-    return head + f" {r['ms'] * 1e3:9.1f} us  x{r['ratio']:.2f} {r['tflops']:6.0f} TF/s{flag}{extra}"
+    rate = f"{r['gb_per_s']:6.0f} GB/s" if "gb_per_s" in r else f"{r['tflops']:6.0f} TF/s"
+    return head + f" {r['ms'] * 1e3:9.1f} us  x{r['ratio']:.2f} {rate}{flag}{extra}"
 
 
 def main():

@@ -18,7 +18,8 @@ base), qlora (NF4 double-quantized base, fused kernels when available). Ours rec
 micro-batch shape's kernels as a CUDA graph (profile cuda_graphs=True, the same bits as eager),
 runs the adapters' products through the fused kernels (adapter_kernel="fused") and RMSNorm, RoPE
 and the head's cross-entropy through theirs (layer_kernel="fused"); the flag `:eager` measures
-the eager loop instead, `:torch` the adapters' torch ops, `:torch-layers` the layers' torch ops.
+the eager loop instead, `:torch` the adapters' torch ops, `:torch-layers` the layers' torch ops,
+`:decoded` QLoRA's products through whole-matrix decodes and cuBLAS (nf4_kernel="decoded").
 The record holds both sides and their ratios.
 """
 import argparse
@@ -91,26 +92,28 @@ def data(vocab: int):
 
 
 def parse(combo: str) -> tuple[str, str, dict]:
-    """'model:method[:eager][:torch][:torch-layers]' -> (model, method, profile choices besides
-    the BF16 policy)."""
+    """'model:method[:eager][:torch][:torch-layers][:decoded]' -> (model, method, profile choices
+    besides the BF16 policy)."""
     model, method, *flags = combo.split(":")
-    assert set(flags) <= {"eager", "torch", "torch-layers"}, combo
-    return model, method, {"cuda_graphs": "eager" not in flags,
-                           "adapter_kernel": "torch" if "torch" in flags or method == "full" else "fused",
-                           "layer_kernel": "torch" if "torch-layers" in flags else "fused"}
+    assert set(flags) <= {"eager", "torch", "torch-layers", "decoded"}, combo
+    choices = {"cuda_graphs": "eager" not in flags,
+               "adapter_kernel": "torch" if "torch" in flags or method == "full" else "fused",
+               "layer_kernel": "torch" if "torch-layers" in flags else "fused"}
+    if method == "qlora":
+        choices["nf4_kernel"] = "decoded" if "decoded" in flags else "fused"
+    return model, method, choices
 
 
 def select(base, method, choices):
-    """The method on `base` under the BF16 policy and `choices` (QLoRA with the fused kernels)."""
+    """The method on `base` under the BF16 policy and `choices` (QLoRA with the GPU's NF4 kernels)."""
     profile = dict(precision="bfloat16", **choices)
     if method == "full":
         return base.with_training_profile(**profile)
     if method == "qlora":
         from aner.kernels import fused_available
         if not fused_available():
-            raise RuntimeError("the fused NF4 kernels are not available here (host tiling is not a throughput path)")
+            raise RuntimeError("the NF4 GPU kernels are not available here (host tiling is not a throughput path)")
         base = base.nf4(double_quant=True)
-        profile["nf4_kernel"] = "fused"
     return base.lora(targets=TARGETS, rank=16, alpha=32.0).with_training_profile(**profile)
 
 

@@ -33,11 +33,11 @@ def data(tiny_path):
 
 def selections():
     """(storage, method, nf4_kernel) the backend admits: full fine-tuning only on a floating base;
-    the fused kernels only where there is a packed base to decode."""
+    the GPU's NF4 kernels only where there is a packed base to decode."""
     out = [("float32", "full", "host_tiled")]
     for storage in ("float32", "nf4", "nf4_double_quant"):
         for method in ("lora", "rslora", "lora_fa", "tinylora"):
-            for kernel in ("host_tiled",) if storage == "float32" else ("host_tiled", "fused"):
+            for kernel in ("host_tiled",) if storage == "float32" else ("host_tiled", "fused", "decoded"):
                 out.append((storage, method, kernel))
     return out
 
@@ -178,13 +178,37 @@ def test_fused_matches_host_tiled_and_counts_its_copy(tiny_path, data):
     assert abs(ta.validation_loss() - tb.validation_loss()) <= 1e-4 * abs(ta.validation_loss())
 
 
+@pytest.mark.parametrize("precision", ["float32", "bfloat16"])
+@pytest.mark.parametrize("storage", ["nf4", "nf4_double_quant"])
+def test_decoded_kernel_trains_what_a_dense_base_of_its_weights_trains(tiny_path, data, storage, precision):
+    """nf4_kernel='decoded' gives a dense weight's bits: logits and LoRA training equal those of a
+    floating base holding NF4Weight.dequantize() of every matrix, bit for bit, while the GPU holds
+    the packed copy and memory_summary counts the largest decoded matrix as its transient."""
+    tr, va = data
+    packed = gen.import_model(tiny_path, device=DEV).nf4(double_quant=storage == "nf4_double_quant")
+    decoded = packed.with_training_profile(precision=precision, nf4_kernel="decoded")
+    weights = {n: w if isinstance(w, torch.Tensor) else w.dequantize().to(DEV) for n, w in packed._weights.items()}
+    dense = packed._derive(weights=weights, storage="float32").with_training_profile(precision=precision)
+    mem = decoded.memory_summary()
+    matrices = [w.shape for w in packed._weights.values() if not isinstance(w, torch.Tensor)]
+    assert mem.gpu_packed_base_bytes == packed.with_training_profile(nf4_kernel="fused").memory_summary().gpu_packed_base_bytes > 0
+    assert mem.dequant_tile_bytes == max(r * c for r, c in matrices) * dense._profile.compute_dtype.itemsize
+    toks = np.random.default_rng().integers(0, 49152, 40).tolist()
+    assert np.array_equal(decoded.logits(toks), dense.logits(toks))
+    kw = dict(steps=2, micro_batch=2, rate=1e-3, seed=2)
+    a, b = decoded.lora(rank=2, seed=1).fine_tune(tr, va, **kw), dense.lora(rank=2, seed=1).fine_tune(tr, va, **kw)
+    assert a._state.losses == b._state.losses and a.validation_loss() == b.validation_loss()
+    assert all(torch.equal(a._adapter_tensors[k], b._adapter_tensors[k]) for k in a._adapter_tensors)
+
+
 @pytest.mark.parametrize("storage,method,kernel,precision", [
     ("float32", "full", "host_tiled", "float32"), ("float32", "full", "host_tiled", "bfloat16"),
     ("float32", "lora", "host_tiled", "float16"), ("nf4_double_quant", "lora", "fused", "bfloat16"),
     ("nf4", "lora_fa", "fused", "float16"), ("nf4", "tinylora", "fused", "float32"),
     ("float32", "rslora", "host_tiled", "bfloat16"), ("float32", "lora", "host_tiled+fused", "bfloat16"),
     ("nf4_double_quant", "lora_fa", "fused+fused", "float16"), ("float32", "tinylora", "host_tiled+fused", "float32"),
-    ("float32", "full", "host_tiled+torch+fused", "bfloat16"), ("nf4_double_quant", "lora", "fused+fused+fused", "bfloat16")])
+    ("float32", "full", "host_tiled+torch+fused", "bfloat16"), ("nf4_double_quant", "lora", "fused+fused+fused", "bfloat16"),
+    ("nf4_double_quant", "lora", "decoded+fused+fused", "bfloat16"), ("nf4", "lora_fa", "decoded", "float16")])
 def test_cuda_graphs_replay_the_eager_bits(tiny_path, data, tmp_path, monkeypatch, storage, method, kernel,
                                            precision):
     """Recorded graphs give the eager run's bits, with micro-batches of several padded lengths,

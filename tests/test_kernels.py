@@ -107,6 +107,15 @@ CONFIGS = [here(c) for c in (
 )]
 
 
+def every_code_byte(double_quant):
+    """A (64, 256) NF4Weight whose 4096 code bytes take every value 16 times, spread over every
+    position of a 32-byte block."""
+    N, Kin = 64, 256
+    w = NF4Weight.quantize(torch.randn(N, Kin) * 0.02, double_quant=double_quant)
+    codes = (torch.arange(N * Kin // 2) * 97 + torch.arange(N * Kin // 2) // 256) % 256
+    return dataclasses.replace(w, codes=codes.to(torch.uint8))
+
+
 @pytest.mark.parametrize("lut", [0, 1] if INTERPRET else [0, 1, 2, 3])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("double_quant", [False, True], ids=["plain", "dq"])
@@ -114,11 +123,8 @@ def test_decode_is_exact_for_every_code_byte(double_quant, dtype, lut):
     """Every code byte in every position of a 32-byte NF4 block: multiplying by an identity
     reads the decoded weight back (each output is one product by 1 plus exact zeros), which
     must equal NF4Weight.dequantize() rounded to the dtype, bit for bit, both ways round."""
-    N, Kin = 64, 256                                                    # 8192 codes: 4096 bytes
-    w = NF4Weight.quantize(torch.randn(N, Kin) * 0.02, double_quant=double_quant)
-    codes = (torch.arange(N * Kin // 2) * 97 + torch.arange(N * Kin // 2) // 256) % 256
-    w = dataclasses.replace(w, codes=codes.to(torch.uint8))            # each byte value 16x, spread
-    p, want = K.DevicePacked.from_weight(w, DEV), w.dequantize().to(DEV, dtype)
+    w = every_code_byte(double_quant)
+    (N, Kin), p, want = w.shape, K.DevicePacked.from_weight(w, DEV), w.dequantize().to(DEV, dtype)
     for bk in (64, 128):
         cfg = here(K.TileConfig(bm=16 if INTERPRET else 64, bn=32, bk=bk, lut=lut, num_warps=4, num_stages=2))
         wt = K.nf4_matmul(torch.eye(Kin, device=DEV, dtype=dtype), p, config=cfg)     # (K, N) = W^T
@@ -126,6 +132,38 @@ def test_decode_is_exact_for_every_code_byte(double_quant, dtype, lut):
         cfg = dataclasses.replace(cfg, bn=bk, bk=64)
         wn = K.nf4_matmul_t(torch.eye(N, device=DEV, dtype=dtype), p, config=cfg)     # (N, K) = W
         assert torch.equal(wn, want), f"transposed bn={bk}: {(wn != want).sum().item()} elements differ"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("double_quant", [False, True], ids=["plain", "dq"])
+@pytest.mark.parametrize("shape", [*SHAPES, "every code byte"], ids=lambda s: s if isinstance(s, str) else f"{s[0]}x{s[1]}")
+def test_whole_weight_decode_is_exact(shape, double_quant, dtype):
+    """nf4_decode writes NF4Weight.dequantize() rounded to the dtype, bit for bit: the fast
+    decode (K % 64 == 0) and the general one, partial tiles and blocks across rows."""
+    w = every_code_byte(double_quant) if shape == "every code byte" else packed(shape, double_quant)[0]
+    p = K.DevicePacked.from_weight(w, DEV)
+    poison(*w.shape, dtype=dtype)
+    got = K.nf4_decode(p, dtype)
+    assert got.shape == w.shape and torch.equal(got.cpu(), w.dequantize().to(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(64, 100), (130, 192)] if INTERPRET else [(1823, 781), (49152, 576)],
+                         ids=lambda s: f"{s[0]}x{s[1]}")
+def test_decoded_linear_is_the_dense_product_of_the_decoded_weight(shape, dtype):
+    """decoded=True: forward and input gradient are the bits of the same products with the dense
+    weight NF4Weight.dequantize() rounded to the dtype."""
+    N, Kin = shape
+    w, p, _ = packed(shape, True)
+    dense = w.dequantize().to(DEV, dtype)
+    x = randn(2, 37, Kin, dtype=dtype).requires_grad_(True)
+    ref_x = x.detach().clone().requires_grad_(True)
+    y, ref = K.fused_nf4_linear(x, p, decoded=True), torch.nn.functional.linear(ref_x, dense)
+    assert y.dtype == dtype and torch.equal(y, ref)
+    g = randn(2, 37, N, dtype=dtype)
+    y.backward(g)
+    ref.backward(g)
+    assert torch.equal(x.grad, ref_x.grad)
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"{c.bm}x{c.bn}x{c.bk}s{c.split}l{c.lut}w{int(c.swap)}t{int(c.tc)}")
@@ -236,6 +274,8 @@ def test_packed_and_errors():
         K.nf4_embedding(p, torch.tensor([0, 64], device=DEV))
     with pytest.raises(ConfigError, match="integer"):
         K.nf4_embedding(p, torch.zeros(2, device=DEV))
+    with pytest.raises(ConfigError, match="float64 is not one of float32"):
+        K.nf4_decode(p, torch.float64)
     with pytest.raises(ConfigError, match="power of two"):
         K.nf4_matmul(randn(3, 100, dtype=torch.float32), p, config=K.TileConfig(bm=16, bn=24, bk=64))
 

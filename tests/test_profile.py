@@ -22,6 +22,8 @@ def test_defaults(base):
     (dict(page_bytes=6000), "page_bytes=6000"), (dict(page_bytes=(64 << 20) + 4096), "page_bytes=67112960"),
     (dict(precision="float16"), "needs a CUDA device"), (dict(precision="bfloat16"), "needs a CUDA device"),
     (dict(optimizer="paged_adamw"), "needs a CUDA device"), (dict(nf4_kernel="fused"), "needs a CUDA device"),
+    (dict(nf4_kernel="decoded"), "nf4_kernel='decoded' runs GPU kernels and needs a CUDA device"),
+    (dict(nf4_kernel="dense"), "nf4_kernel='dense' is not supported; accepted: host_tiled, fused, decoded"),
     (dict(cuda_graphs=True), "needs a CUDA device"), (dict(cuda_graphs="yes"), "cuda_graphs='yes'"),
     (dict(adapter_kernel="triton"), "adapter_kernel='triton' is not supported; accepted: torch, fused"),
     (dict(adapter_kernel="fused"), "adapter_kernel='fused' runs GPU kernels and needs a CUDA device"),

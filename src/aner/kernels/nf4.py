@@ -1,4 +1,4 @@
-"""Fused NF4 kernels (Triton): matmul, its input gradient and the embedding lookup.
+"""Fused NF4 kernels (Triton): matmul, its input gradient, the embedding lookup and the decode.
 
 Each op has three layers: a `@triton.jit` kernel, a launcher that checks its inputs, allocates
 the output and picks the grid, and (for the projection) an autograd Function. The pure-torch
@@ -19,11 +19,17 @@ Numerics (identical to NF4Weight.dequantize(), bit for bit):
   accuracy, never TF32 (the library's precision policy): on the BF16 tensor cores through exact
   BF16 parts (`fp32.fp32_dot`, as the adapter kernels), or with FP32 multiply-adds (tc=False).
 
-The decoded weight exists only as a tile in registers/shared memory inside a matmul program:
-there is no dense copy of W on the device. Nothing uses atomics or autotuning: each output
-element is summed by one program in a fixed order (split-K partials are reduced by a second
-kernel in split order), and the tile configuration is a fixed function of (M, N, K, dtype), so
-the same inputs give bitwise identical outputs on every run.
+The fused products (`nf4_matmul`, `nf4_matmul_t`) hold the decoded weight only as a tile in
+registers/shared memory inside a matmul program: there is no dense copy of W on the device. The
+decoded products (`fused_nf4_linear(..., decoded=True)`, the profile's nf4_kernel="decoded")
+decode the whole W with `nf4_decode` into a transient buffer of the operand dtype, multiply it
+with cuBLAS and free it; backward decodes it again. Their bits are those of a dense weight equal
+to NF4Weight.dequantize() rounded to that dtype.
+
+Nothing uses atomics or autotuning: each output element is summed by one program in a fixed
+order (split-K partials are reduced by a second kernel in split order; cuBLAS runs under the
+library's deterministic policy), and the tile configuration is a fixed function of (M, N, K,
+dtype), so the same inputs give bitwise identical outputs on every run.
 """
 import os
 from dataclasses import dataclass
@@ -414,6 +420,20 @@ def _nf4_rows_kernel(ids, out, codes, absmax, acodes, ascales, aoffset, nf4cb, d
              mask=i_mask[:, None] & (cols < K)[None, :])
 
 
+@triton.jit
+def _nf4_decode_kernel(out, codes, absmax, acodes, ascales, aoffset, nf4cb, dyncb, N, K,
+                       BR: tl.constexpr, BC: tl.constexpr, FAST: tl.constexpr, DQ: tl.constexpr,
+                       LUT: tl.constexpr):
+    """out (N, K) = W in out's dtype, one (BR, BC) tile per program (FAST: K % 64 == 0)."""
+    rows = tl.program_id(0) * BR + tl.arange(0, BR)
+    col0 = tl.program_id(1) * BC
+    cols = col0 + tl.arange(0, BC)
+    r_mask = rows < N
+    w = _decode_tile(codes, absmax, acodes, ascales, aoffset, nf4cb, dyncb, rows, r_mask, col0, K,
+                     BR, BC, FAST, DQ, LUT, out.dtype.element_ty)
+    tl.store(out + rows.to(tl.int64)[:, None] * K + cols[None, :], w, mask=r_mask[:, None] & (cols < K)[None, :])
+
+
 # ----------------------------------------------------------------------------- configs
 
 @dataclass(frozen=True)
@@ -594,6 +614,21 @@ def nf4_embedding(packed: DevicePacked, ids: torch.Tensor, lut: int = 0) -> torc
     return out.reshape(*ids.shape, K)
 
 
+def nf4_decode(packed: DevicePacked, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The whole (N, K) weight in `dtype` on the device: NF4Weight.dequantize() rounded once to
+    `dtype`, bit for bit (the matrix kernels' own tile decode, 16 x 256 elements a program)."""
+    _check_packed(packed)
+    if dtype not in FLOATS:
+        raise ConfigError(f"dtype={dtype} is not one of float32, float16, bfloat16")
+    N, K = packed.shape
+    out = torch.empty(N, K, device=packed.device, dtype=dtype)
+    br, bc = 16, 256
+    _nf4_decode_kernel[(-(-N // br), -(-K // bc))](out, *packed._args(), N, K, BR=br, BC=bc, FAST=K % 64 == 0,
+                                                   DQ=packed.double_quant, LUT=1 if INTERPRETING else 3,
+                                                   num_warps=4, enable_fp_fusion=False)
+    return out
+
+
 # ----------------------------------------------------------------------------- autograd
 
 class _FusedNF4Linear(torch.autograd.Function):
@@ -613,13 +648,33 @@ class _FusedNF4Linear(torch.autograd.Function):
         return grad_x, None
 
 
-def fused_nf4_linear(x: torch.Tensor, packed: DevicePacked) -> torch.Tensor:
-    """x (..., K) -> (..., N) = x @ W^T in x's dtype, with an input gradient through nf4_matmul_t."""
+class _DecodedNF4Linear(torch.autograd.Function):
+    """y = x @ W^T through a frozen packed W decoded whole for each product (cuBLAS), then freed:
+    a dense weight's bits, with one transient (N, K) buffer of x's dtype at a time."""
+
+    @staticmethod
+    def forward(ctx, x2d, packed):
+        ctx.packed = packed
+        return torch.nn.functional.linear(x2d, nf4_decode(packed, x2d.dtype))
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_y):
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            grad_x = grad_y @ nf4_decode(ctx.packed, grad_y.dtype)
+        return grad_x, None
+
+
+def fused_nf4_linear(x: torch.Tensor, packed: DevicePacked, decoded: bool = False) -> torch.Tensor:
+    """x (..., K) -> (..., N) = x @ W^T in x's dtype, with an input gradient: through the fused
+    kernels (nf4_matmul, nf4_matmul_t), or with `decoded` through a whole decoded W and cuBLAS."""
     _check_packed(packed)
     N, K = packed.shape
     if not isinstance(x, torch.Tensor) or x.dtype not in FLOATS:
         raise ConfigError(f"x must be a float32, float16 or bfloat16 tensor, got {getattr(x, 'dtype', type(x).__name__)}")
     if x.dim() == 0 or x.shape[-1] != K:
         raise ConfigError(f"x of shape {tuple(x.shape)} does not end in in_features={K} of a {packed.shape} weight")
-    y = _FusedNF4Linear.apply(x.reshape(-1, K).contiguous(), packed)    # (M, N), M = prod(x.shape[:-1])
+    op = _DecodedNF4Linear if decoded else _FusedNF4Linear
+    y = op.apply(x.reshape(-1, K).contiguous(), packed)                # (M, N), M = prod(x.shape[:-1])
     return y.reshape(*x.shape[:-1], N)

@@ -11,18 +11,19 @@ from . import names
 from .llama import Block, Dense, Llama, RMSNorm, rope, swiglu
 
 
-def weight_module(weight, device_copy=None) -> nn.Module:
+def weight_module(weight, device_copy=None, decoded=False) -> nn.Module:
     if isinstance(weight, torch.Tensor):
         return Dense(weight)
     from ..quant.module import NF4Module
-    return NF4Module(weight, device_copy=device_copy)
+    return NF4Module(weight, device_copy=device_copy, decoded=decoded)
 
 
 def build(config, weights: dict, method=None, adapter_tensors: dict | None = None,
-          device_copies: dict | None = None, adapter_kernel: str = "torch", layer_kernel: str = "torch") -> Llama:
-    """`device_copies`: name -> GPU copy of a packed weight, for the fused NF4 kernels;
-    `adapter_kernel`, `layer_kernel`: the training profile's choices for the adapters' products
-    and for RMSNorm, RoPE, SwiGLU (and, in the loss, the head's cross-entropy)."""
+          device_copies: dict | None = None, adapter_kernel: str = "torch", layer_kernel: str = "torch",
+          nf4_kernel: str = "fused") -> Llama:
+    """`device_copies`: name -> GPU copy of a packed weight, for the fused or decoded NF4 kernels
+    (`nf4_kernel`); `adapter_kernel`, `layer_kernel`: the training profile's choices for the
+    adapters' products and for RMSNorm, RoPE, SwiGLU (and, in the loss, the head's cross-entropy)."""
     table = names.expected(config)
     device_copies = device_copies or {}
     norm, rotate, gate = RMSNorm, rope, swiglu
@@ -32,7 +33,7 @@ def build(config, weights: dict, method=None, adapter_tensors: dict | None = Non
     modules = {}
     for name, (path, role, _) in table.items():
         w = weights[name]
-        modules[name] = norm(w, config.rms_eps) if role == "norm" else weight_module(w, device_copies.get(name))
+        modules[name] = norm(w, config.rms_eps) if role == "norm" else weight_module(w, device_copies.get(name), nf4_kernel == "decoded")
     if method is not None:
         for target in method.config.targets:
             modules[target] = method.wrap(target, modules[target], adapter_tensors, adapter_kernel == "fused")

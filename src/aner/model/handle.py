@@ -89,9 +89,9 @@ class PretrainedModel:
         self._lineage_examples = frozenset(lineage_examples)
         self._profile = profile or Profile()
         self._module = None
-        # The fused NF4 kernels' immutable GPU copy of each packed matrix; the host buffers stay
-        # authoritative (checkpoints, identity). Made once and shared by derived handles.
-        if device_copies is None and self._profile.nf4_kernel == "fused" and storage != "float32":
+        # The fused or decoded NF4 kernels' immutable GPU copy of each packed matrix; the host
+        # buffers stay authoritative (checkpoints, identity). Made once and shared by derived handles.
+        if device_copies is None and self._profile.packed_on_device and storage != "float32":
             from ..kernels.nf4 import DevicePacked
             device_copies = {n: DevicePacked.from_weight(w, device) for n, w in weights.items()
                              if not isinstance(w, torch.Tensor)}
@@ -104,7 +104,7 @@ class PretrainedModel:
                   profile=self._profile)
         kw.update(changes)
         same_buffers = kw["weights"] is self._weights and kw["device"] == self._device
-        if same_buffers and kw["profile"].nf4_kernel == self._profile.nf4_kernel:
+        if same_buffers and kw["profile"].packed_on_device == self._profile.packed_on_device:
             kw["device_copies"] = self._device_copies
         return PretrainedModel(**kw)
 
@@ -195,7 +195,14 @@ class PretrainedModel:
             gpu_packed_base_bytes=sum(c.nbytes() for c in self._device_copies.values()))
 
     def _dequant_tile_bytes(self) -> int:
-        return 0 if self._storage == "float32" or self._device_copies else 4 << 20
+        """The decoded weight alive at once: host tiles of 4 MiB, none inside the fused kernels'
+        tiles, or the largest matrix in the operand dtype for the decoded products."""
+        if self._storage == "float32" or self._profile.nf4_kernel == "fused":
+            return 0
+        if self._profile.nf4_kernel == "host_tiled":
+            return 4 << 20
+        itemsize = self._profile.compute_dtype.itemsize
+        return max(w.shape[0] * w.shape[1] * itemsize for w in self._weights.values() if not isinstance(w, torch.Tensor))
 
     # ---- placement and profile --------------------------------------------------------------
     def to(self, device) -> "PretrainedModel":
@@ -230,7 +237,7 @@ class PretrainedModel:
         """The torch Llama of this handle (built once, cached; its tensors must not be changed)."""
         if self._module is None:
             self._module = build(self._source.config, self._weights, self._method, self._adapter_tensors,
-                                 self._device_copies)
+                                 self._device_copies, nf4_kernel=self._profile.nf4_kernel)
         return self._module
 
     @torch.no_grad()
@@ -420,7 +427,7 @@ class PretrainedModel:
             trainable = {n: tensors[n].requires_grad_(True) for n in self._trainable_names()}
         state = replace(state, moments={n: (m.clone(), v.clone()) for n, (m, v) in state.moments.items()})
         model = build(self._source.config, weights, self._method, tensors, self._device_copies,
-                      self._profile.adapter_kernel, self._profile.layer_kernel)
+                      self._profile.adapter_kernel, self._profile.layer_kernel, self._profile.nf4_kernel)
 
         def trained(state):
             frozen = {n: w.detach() for n, w in weights.items()} if self._method is None else weights

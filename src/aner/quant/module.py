@@ -1,6 +1,6 @@
 """A packed NF4 weight in the Llama's module tree: the projection/embedding interface of `Dense`.
 
-Two kernels (the profile's `nf4_kernel`):
+Three kernels (the profile's `nf4_kernel`):
   host_tiled  forward(x) = nf4_linear(x, W): the packed buffers stay on the host and bounded row
               tiles (DEFAULT_TILE_BYTES of FP32 at a time) are decoded there and copied to x's
               device; out in x's dtype, input gradient only. lookup(tokens) decodes only the rows.
@@ -8,6 +8,10 @@ Two kernels (the profile's `nf4_kernel`):
               decode inside the matrix tile. Under a FP16/BF16 autocast policy x is rounded to
               that dtype and each decoded weight too, with FP32 accumulation, as cuBLAS does for
               a dense weight under autocast; otherwise everything is FP32.
+  decoded     the same device copy; each product decodes the whole matrix into a transient
+              buffer of x's dtype and multiplies it with cuBLAS: a dense weight's bits (that of
+              NF4Weight.dequantize() rounded to the dtype). As the loss's head it is decoded once
+              for all chunks of a micro-batch (`train/loss.py`).
 A tied output head is the embedding's module used as a projection. Nothing keeps a dense copy
 of the matrix between calls. Adapters wrap this module exactly as they wrap `Dense`.
 """
@@ -21,13 +25,15 @@ from .nf4 import DEFAULT_TILE_BYTES, NF4Weight, nf4_linear
 class NF4Module(nn.Module):
     """A frozen NF4 weight (out, in) as a projection (x @ W^T) or an embedding table (rows of W)."""
 
-    def __init__(self, weight: NF4Weight, tile_bytes: int = DEFAULT_TILE_BYTES, device_copy=None):
+    def __init__(self, weight: NF4Weight, tile_bytes: int = DEFAULT_TILE_BYTES, device_copy=None,
+                 decoded: bool = False):
         super().__init__()
         if not isinstance(weight, NF4Weight):
             raise ConfigError(f"weight must be an NF4Weight, got {type(weight).__name__}")
         self.weight = weight            # a plain attribute: not a Parameter, never trained
         self.tile_bytes = tile_bytes
         self.device_copy = device_copy  # kernels.nf4.DevicePacked for the fused kernels, else None
+        self.decoded = decoded          # with a device copy: whole-matrix decode + cuBLAS
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.device_copy is None:
@@ -36,7 +42,7 @@ class NF4Module(nn.Module):
         if torch.is_autocast_enabled(x.device.type):
             x = x.to(torch.get_autocast_dtype(x.device.type))
         with torch.autocast(x.device.type, enabled=False):
-            return fused_nf4_linear(x, self.device_copy)        # (..., in) -> (..., out), x's dtype
+            return fused_nf4_linear(x, self.device_copy, self.decoded)  # (..., in) -> (..., out), x's dtype
 
     def lookup(self, tokens: torch.Tensor) -> torch.Tensor:
         if self.device_copy is None:
@@ -46,5 +52,6 @@ class NF4Module(nn.Module):
 
     def extra_repr(self) -> str:
         kind = "double_quant" if self.weight.double_quant else "absmax"
-        kernel = "fused" if self.device_copy is not None else f"host_tiled, tile_bytes={self.tile_bytes}"
+        kernel = f"host_tiled, tile_bytes={self.tile_bytes}" if self.device_copy is None else \
+            "decoded" if self.decoded else "fused"
         return f"shape={self.weight.shape}, {kind}, {kernel}"

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from ..model.llama import Dense
+from ..quant.module import NF4Module
 
 IGNORE = -100                  # target index of unscored positions
 CHUNK_BYTES = 256 << 20        # logits of one chunk: at most 256 MiB (at least one position)
@@ -36,7 +37,11 @@ def _chunk_head(head, profile):
     """The head as every chunk calls it. A dense head is cast to the operand dtype here, once,
     where no chunk differentiates through it: frozen, or trained with the fused cross-entropy,
     which makes the weight's gradient itself (`_fused_chunk`) and asks autograd for the hidden
-    states' only."""
+    states' only. A packed head of the decoded NF4 kernels is decoded here, once, likewise: the
+    bits each chunk's product would decode."""
+    if isinstance(head, NF4Module) and head.decoded:
+        from ..kernels.nf4 import nf4_decode
+        return Dense(nf4_decode(head.device_copy, profile.compute_dtype))
     w = getattr(head, "weight", None)
     fused = profile.layer_kernel == "fused"
     if type(head) is Dense and profile.precision != "float32" and (fused or not w.requires_grad):

@@ -2,7 +2,10 @@
 
     precision  float32 | float16 | bfloat16   operation policy for projections and attention
     optimizer  adamw | paged_adamw            where the FP32 Adam moments live
-    nf4_kernel host_tiled | fused             how a packed NF4 base is decoded
+    nf4_kernel host_tiled | fused | decoded   how a packed NF4 base is decoded: bounded tiles on
+                                              the host, inside the GPU matrix kernels' tiles, or
+                                              whole on the GPU into a transient buffer for cuBLAS
+                                              (`kernels/nf4.py`)
     adapter_kernel torch | fused              how an adapter's rank-r products run on a GPU:
                                               torch ops, or Triton kernels that never write
                                               the (tokens, out) FP32 delta (`kernels/lora.py`)
@@ -38,7 +41,7 @@ from ..errors import ConfigError
 
 PRECISIONS = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 OPTIMIZERS = ("adamw", "paged_adamw")
-NF4_KERNELS = ("host_tiled", "fused")
+NF4_KERNELS = ("host_tiled", "fused", "decoded")
 ADAPTER_KERNELS = ("torch", "fused")
 LAYER_KERNELS = ("torch", "fused")
 MIN_PAGE, MAX_PAGE, DEFAULT_PAGE = 4 << 10, 64 << 20, 2 << 20
@@ -82,15 +85,21 @@ class Profile:
             raise ConfigError("cuda_graphs=True cannot record nf4_kernel='host_tiled', which copies host "
                               "tiles on every call; use nf4_kernel='fused' or cuda_graphs=False")
         for field, fallback in (("nf4_kernel", "host_tiled"), ("adapter_kernel", "torch"), ("layer_kernel", "torch")):
-            if getattr(self, field) != "fused":
+            value = getattr(self, field)
+            if value == fallback:
                 continue
             if device == "cpu":
-                raise ConfigError(f"{field}='fused' runs GPU kernels and needs a CUDA device; "
+                raise ConfigError(f"{field}={value!r} runs GPU kernels and needs a CUDA device; "
                                   f"on device='cpu' use {field}={fallback!r}")
             from ..kernels import fused_available
             if not fused_available():
-                raise ConfigError(f"{field}='fused' needs Triton, which this installation lacks (it "
+                raise ConfigError(f"{field}={value!r} needs Triton, which this installation lacks (it "
                                   f"comes with PyTorch's CUDA builds); use {field}={fallback!r}")
+
+    @property
+    def packed_on_device(self) -> bool:
+        """Whether a packed base keeps a copy on the GPU (the fused and decoded NF4 kernels)."""
+        return self.nf4_kernel != "host_tiled"
 
     @property
     def compute_dtype(self) -> torch.dtype:
