@@ -105,9 +105,9 @@ def main(out, only=""):
         "combinations": [],
     }
     # Floating bases: every method under every precision and optimizer. Packed bases: LoRA under
-    # every profile with the fused kernels, the other methods under one; host tiling (about 3 s an
-    # update at this size) under FP32 and BF16. tests/test_gpu.py runs the full cross product on
-    # a tiny model.
+    # every profile with the fused kernels, the other methods under one, LoRA with the decoded
+    # products under BF16; host tiling (about 3 s an update at this size) under FP32 and BF16.
+    # tests/test_gpu.py runs the full cross product on a tiny model.
     profiles = [(p, o) for p in ("float32", "float16", "bfloat16") for o in ("adamw", "paged_adamw")]
     combos = [("float32", m, p, o, "host_tiled") for m in ("full", "lora", "rslora", "lora_fa", "tinylora")
               for p, o in profiles]
@@ -115,6 +115,7 @@ def main(out, only=""):
     combos += [("nf4", "lora", "bfloat16", "adamw", "fused"), ("nf4_double_quant", "rslora", "bfloat16", "adamw", "fused"),
                ("nf4_double_quant", "lora_fa", "float16", "adamw", "fused"),
                ("nf4_double_quant", "tinylora", "bfloat16", "paged_adamw", "fused"),
+               ("nf4_double_quant", "lora", "bfloat16", "adamw", "decoded"),
                ("nf4_double_quant", "lora", "float32", "adamw", "host_tiled"),
                ("nf4_double_quant", "lora", "bfloat16", "adamw", "host_tiled")]
     if only:  # a split run: "nf4,tinylora" keeps combinations whose s/m/p/o/k key contains either

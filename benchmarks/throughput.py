@@ -14,12 +14,13 @@ of the timed updates' seconds) and the Torch allocator peak. The peer synchronis
 update and times it on the host; ours records a CUDA event at each update's end, so the GPU's
 waits for our loop's host work stay in the figure. Ours clips the gradient norm at 1.0 (the
 library's default); the peer's loop does not clip. Methods: full (FP32 masters), lora (FP32
-base), qlora (NF4 double-quantized base, fused kernels when available). Ours records each
+base), qlora (NF4 double-quantized base; its products decode each weight whole on the GPU and
+multiply it with cuBLAS, nf4_kernel="decoded", as the peer's bitsandbytes does). Ours records each
 micro-batch shape's kernels as a CUDA graph (profile cuda_graphs=True, the same bits as eager),
 runs the adapters' products through the fused kernels (adapter_kernel="fused") and RMSNorm, RoPE
 and the head's cross-entropy through theirs (layer_kernel="fused"); the flag `:eager` measures
 the eager loop instead, `:torch` the adapters' torch ops, `:torch-layers` the layers' torch ops,
-`:decoded` QLoRA's products through whole-matrix decodes and cuBLAS (nf4_kernel="decoded").
+`:fused` QLoRA's products through the fused NF4 kernels (nf4_kernel="fused", no decoded weight).
 The record holds both sides and their ratios.
 """
 import argparse
@@ -92,15 +93,15 @@ def data(vocab: int):
 
 
 def parse(combo: str) -> tuple[str, str, dict]:
-    """'model:method[:eager][:torch][:torch-layers][:decoded]' -> (model, method, profile choices
+    """'model:method[:eager][:torch][:torch-layers][:fused]' -> (model, method, profile choices
     besides the BF16 policy)."""
     model, method, *flags = combo.split(":")
-    assert set(flags) <= {"eager", "torch", "torch-layers", "decoded"}, combo
+    assert set(flags) <= {"eager", "torch", "torch-layers", "fused"}, combo
     choices = {"cuda_graphs": "eager" not in flags,
                "adapter_kernel": "torch" if "torch" in flags or method == "full" else "fused",
                "layer_kernel": "torch" if "torch-layers" in flags else "fused"}
     if method == "qlora":
-        choices["nf4_kernel"] = "decoded" if "decoded" in flags else "fused"
+        choices["nf4_kernel"] = "fused" if "fused" in flags else "decoded"
     return model, method, choices
 
 

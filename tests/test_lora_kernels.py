@@ -14,6 +14,7 @@ from kernel_device import INTERPRET, device_or_skip
 DEV = device_or_skip()
 
 from aner.kernels import lora as L  # noqa: E402
+from aner.model.llama import Dense  # noqa: E402
 
 if INTERPRET:
     # The interpreter's BF16 tl.dot is wrong (numpy has no BF16): check the FP32 FMA products there;
@@ -34,43 +35,54 @@ def close(got, ref, scale, dtype):
     assert (err <= 1e-5 * scale + EPS[dtype] * ref.abs() + 1e-30).all(), err.max().item()
 
 
+def frozen_base(n_in, n_out):
+    return Dense(torch.randn(n_out, n_in, device=DEV) / n_in ** 0.5)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "x".join(map(str, c)))
 def test_forward_and_gradients(case, dtype):
+    """Around a frozen base: the delta is added to the base's own output, and du @ A to the base's
+    own input gradient, each sum in FP32 and rounded once."""
     M, n_in, n_out, r = case
+    base = frozen_base(n_in, n_out)
     x = torch.randn(M, n_in, device=DEV).to(dtype)
-    y = torch.randn(M, n_out, device=DEV).to(dtype)
     a, b = torch.randn(r, n_in, device=DEV) / n_in ** 0.5, torch.randn(n_out, r, device=DEV)
     g = torch.randn(M, n_out, device=DEV).to(dtype)
-    leaves = [t.clone().requires_grad_(True) for t in (x, y, a, b)]
-    out = L.low_rank_delta(*leaves)
+    leaves = [t.clone().requires_grad_(True) for t in (x, a, b)]
+    out = L.adapted_projection(base, *leaves)
     out.backward(g)
-    assert out.dtype == dtype and [t.grad.dtype for t in leaves] == [dtype, dtype, torch.float32, torch.float32]
+    assert out.dtype == dtype and [t.grad.dtype for t in leaves] == [dtype, torch.float32, torch.float32]
+    xb = x.clone().requires_grad_(True)
+    yb = base(xb)
+    (dxb,) = torch.autograd.grad(yb, xb, g)
 
-    xd, yd, ad, bd, gd = (t.double() for t in (x, y, a, b, g))
+    xd, ad, bd, gd, yd, dxd = (t.double() for t in (x, a, b, g, yb.detach(), dxb))
     u, du = xd @ ad.t(), gd @ bd
     au, adu = xd.abs() @ ad.abs().t(), gd.abs() @ bd.abs()
     close(out, yd + u @ bd.t(), yd.abs() + au @ bd.abs().t(), dtype)
-    close(leaves[0].grad, du @ ad, adu @ ad.abs(), dtype)
-    assert torch.equal(leaves[1].grad, g)
-    close(leaves[2].grad, du.t() @ xd, adu.t() @ xd.abs(), torch.float32)
-    close(leaves[3].grad, gd.t() @ u, gd.abs().t() @ au, torch.float32)
+    close(leaves[0].grad, dxd + du @ ad, dxd.abs() + adu @ ad.abs(), dtype)
+    close(leaves[1].grad, du.t() @ xd, adu.t() @ xd.abs(), torch.float32)
+    close(leaves[2].grad, gd.t() @ u, gd.abs().t() @ au, torch.float32)
 
 
 def test_deterministic_with_a_frozen_factor():
-    """Two runs give the same bits, forward and gradients, with A frozen as in LoRA-FA."""
+    """Two runs give the same bits, forward and gradients, with A frozen as in LoRA-FA; an input
+    that needs no gradient (the first layer's) changes nothing else."""
     M, n_in, n_out, r = (4096, 256, 128, 16) if not INTERPRET else (70, 64, 32, 4)
+    base = frozen_base(n_in, n_out)
     x = torch.randn(M, n_in, device=DEV, requires_grad=True)
     a = torch.randn(r, n_in, device=DEV)                      # frozen, as in LoRA-FA
     b = torch.randn(n_out, r, device=DEV, requires_grad=True)
     g = torch.randn(M, n_out, device=DEV)
 
-    def run():
-        y = torch.zeros(M, n_out, device=DEV)
-        return [t.clone() for t in (L.low_rank_delta(x, y, a, b),
-                                    *torch.autograd.grad(L.low_rank_delta(x, y, a, b), (x, b), g))]
-    first, second = run(), run()
+    def run(x):
+        out = L.adapted_projection(base, x, a, b)
+        return [out.detach().clone(), *torch.autograd.grad(out, [x, b] if x.requires_grad else [b], g)]
+    first, second = run(x), run(x)
     assert all(torch.equal(p, q) for p, q in zip(first, second))
+    out, db = run(x.detach())
+    assert torch.equal(out, first[0]) and torch.equal(db, first[2])
 
 
 VARIANTS = [L.Tiles(16, 32, split=3, tc=False), L.Tiles(32, 16, warps=2, split=1, tc=False)]

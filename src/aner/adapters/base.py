@@ -85,13 +85,15 @@ def full_precision(x: torch.Tensor):
     return torch.autocast(x.device.type, enabled=False)
 
 
-def add_low_rank(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, fused: bool):
-    """y + (x @ a^T) @ b^T in y's dtype, the products in a's dtype (FP32 in models; float64 in
-    gradient checks). `fused`: the GPU kernels of kernels.lora (FP32, one rounding of the sum);
-    else torch ops (the delta is rounded to y's dtype, then added)."""
+def add_low_rank(base, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, fused: bool):
+    """base(x) + (x @ a^T) @ b^T in the base output's dtype, the products in a's dtype (FP32 in
+    models; float64 in gradient checks), for a frozen projection module `base`. `fused`: the GPU
+    kernels of kernels.lora (FP32, one rounding of each sum, the base inside); else torch ops (the
+    delta is rounded to the output's dtype, then added)."""
     if fused:
-        from ..kernels.lora import low_rank_delta
-        return low_rank_delta(x, y, a, b)
+        from ..kernels.lora import adapted_projection
+        return adapted_projection(base, x, a, b)
+    y = base(x)
     with full_precision(x):
         delta = (x.to(a.dtype) @ a.t()) @ b.t()                  # (..., r) then (..., out)
     return y + delta.to(y.dtype)

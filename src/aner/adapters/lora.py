@@ -36,7 +36,7 @@ class LoRALinear(nn.Module):
         # The scale multiplies B (out x r), not the (..., out) product: the same value up to
         # rounding (exactly the same bits when s is a power of two, as alpha = 2r is), without
         # a pass over the output in forward and backward.
-        return add_low_rank(self.base(x), x, self.lora_a, self.scale * self.lora_b, self.fused)
+        return add_low_rank(self.base, x, self.lora_a, self.scale * self.lora_b, self.fused)
 
 
 class LoRA(Method):

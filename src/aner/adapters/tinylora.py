@@ -63,13 +63,15 @@ class TinyLoRALinear(nn.Module):
         self.fused = fused
 
     def forward(self, x):
-        y = self.base(x)
         with full_precision(x):
             r = torch.einsum("i,ijk->jk", self.v, self.p)        # (r, r) = sum_i v_i P_i
             m = self.s[:, None] * r                               # (r, r) = diag(S) R
-            if self.fused:
-                # B = U diag(S) R (out, r): A = V^T and B in one low-rank product.
-                return add_low_rank(y, x, self.vt, self.u @ m, True)
+            b = self.u @ m if self.fused else None                # (out, r) = U diag(S) R
+        if self.fused:
+            # A = V^T and B in one low-rank product, the base's inside (it runs under the policy).
+            return add_low_rank(self.base, x, self.vt, b, True)
+        y = self.base(x)
+        with full_precision(x):
             h = x.to(self.vt.dtype) @ self.vt.t()                 # (..., r)
             delta = (h @ m.t()) @ self.u.t()                      # (..., r) then (..., out)
         return y + delta.to(y.dtype)

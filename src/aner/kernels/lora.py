@@ -1,4 +1,4 @@
-"""Fused low-rank adapter kernels (Triton): y = base + (x @ A^T) @ B^T in FP32, without the
+"""Fused low-rank adapter kernels (Triton): y = base(x) + (x @ A^T) @ B^T in FP32, without the
 full-size FP32 intermediates.
 
 An adapter adds delta = u @ B^T with u = x @ A^T, where A is (r, in), B is (out, r) (for LoRA
@@ -8,8 +8,12 @@ it, and backward does the same in reverse: about 16 bytes of traffic per output 
 for 2 * r multiply-adds of work. Here three kernels cover forward and backward:
 
     project        (M, N) @ W^T -> (M, r)       u = x @ A^T;  du = g @ B
-    expand         base + (M, r) @ W^T -> (M, N)  y = y_base + u @ B^T;  dx = du @ A
+    expand         base + (M, r) @ W^T -> (M, N)  y = y_base + u @ B^T;  dx = dx_base + du @ A
     reduce_tokens  (M, N)^T @ (M, r) -> (N, r)  dB = g^T @ u;  dA^T = x^T @ du
+
+The frozen base projection runs inside (`adapted_projection`): its output is the base that
+expand adds the delta to, and in backward its own input gradient is the base that expand adds
+du @ A to, so the input gradient's sum is no pass of its own and is rounded once.
 
 Each reads its (M, N) operand once in its own dtype (FP32, FP16 or BF16) and computes its
 products to FP32 accuracy, as the adapter policy requires: on the tensor cores through exact BF16
@@ -178,14 +182,28 @@ def reduce_tokens(p: torch.Tensor, q: torch.Tensor, tiles: Tiles | None = None) 
     return sum_splits(part)
 
 
-class _LowRankDelta(torch.autograd.Function):
-    """y = y_base + (x @ A^T) @ B^T; gradients for x, y_base, A and B."""
+class _AdaptedProjection(torch.autograd.Function):
+    """y = base(x) + (x @ A^T) @ B^T for a frozen `base`; gradients for x, A and B.
+
+    The base runs on a detached x inside the forward, its autograd graph recorded when x needs a
+    gradient. Backward takes the base's input gradient through that graph and adds du @ A to it
+    inside expand. The graph's root, the base's output, keeps no data: a projection's backward
+    reads its inputs only, so its storage is freed once the delta is added (the unfused path
+    keeps no copy either)."""
 
     @staticmethod
-    def forward(ctx, x2d, y2d, a, b):
+    def forward(ctx, x2d, a, b, base, track):
+        with torch.enable_grad():
+            xb = x2d.detach().requires_grad_(track)
+            y = base(xb)                                           # (M, out), a fresh tensor
         u = project(x2d, a)                                        # (M, r) FP32
         ctx.save_for_backward(x2d, a, b, u)
-        return expand(u, b, y2d, y2d.dtype)
+        out = expand(u, b, y.detach(), y.dtype)
+        ctx.graph = None
+        if track:
+            y.untyped_storage().resize_(0)
+            ctx.graph = (xb, y)
+        return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -193,16 +211,22 @@ class _LowRankDelta(torch.autograd.Function):
         x2d, a, b, u = ctx.saved_tensors
         g = g.contiguous()
         du = project(g, b.t())                                     # (M, r) = g @ B
-        dx = expand(du, a.t(), None, x2d.dtype) if ctx.needs_input_grad[0] else None
-        da = reduce_tokens(x2d, du).t().contiguous() if ctx.needs_input_grad[2] else None   # (r, in) = du^T x
-        db = reduce_tokens(g, u) if ctx.needs_input_grad[3] else None         # (out, r) = g^T u
-        return dx, g, da, db
+        dx = None
+        if ctx.needs_input_grad[0]:
+            xb, y = ctx.graph
+            (dx_base,) = torch.autograd.grad(y, xb, g)
+            dx = expand(du, a.t(), dx_base.contiguous(), x2d.dtype)
+        ctx.graph = None
+        da = reduce_tokens(x2d, du).t().contiguous() if ctx.needs_input_grad[1] else None   # (r, in) = du^T x
+        db = reduce_tokens(g, u) if ctx.needs_input_grad[2] else None         # (out, r) = g^T u
+        return dx, da, db, None, None
 
 
-def low_rank_delta(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """y + (x @ a^T) @ b^T in y's dtype: x (..., in) of any float dtype, y (..., out) the base
-    projection's output, a (r, in) and b (out, r) FP32 (b already carries the adapter's scale)."""
+def adapted_projection(base, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """base(x) + (x @ a^T) @ b^T in the base output's dtype: x (..., in) of any float dtype,
+    `base` a frozen projection module (its output (..., out), 2-D in and out along the last
+    dimension), a (r, in) and b (out, r) FP32 (b already carries the adapter's scale)."""
     lead = x.shape[:-1]
-    out = _LowRankDelta.apply(x.reshape(-1, x.shape[-1]).contiguous(), y.reshape(-1, y.shape[-1]).contiguous(),
-                              a, b)
-    return out.reshape(*lead, y.shape[-1])
+    x2d = x.reshape(-1, x.shape[-1]).contiguous()
+    out = _AdaptedProjection.apply(x2d, a, b, base, torch.is_grad_enabled() and x.requires_grad)
+    return out.reshape(*lead, out.shape[-1])
