@@ -33,7 +33,8 @@ def build(config, weights: dict, method=None, adapter_tensors: dict | None = Non
     modules = {}
     for name, (path, role, _) in table.items():
         w = weights[name]
-        modules[name] = norm(w, config.rms_eps) if role == "norm" else weight_module(w, device_copies.get(name), nf4_kernel == "decoded")
+        modules[name] = norm(w, config.rms_eps) if role == "norm" else \
+            weight_module(w, device_copies.get(name), nf4_kernel == "decoded")
     if method is not None:
         for target in method.config.targets:
             modules[target] = method.wrap(target, modules[target], adapter_tensors, adapter_kernel == "fused")

@@ -202,7 +202,8 @@ class PretrainedModel:
         if self._profile.nf4_kernel == "host_tiled":
             return 4 << 20
         itemsize = self._profile.compute_dtype.itemsize
-        return max(w.shape[0] * w.shape[1] * itemsize for w in self._weights.values() if not isinstance(w, torch.Tensor))
+        return max(w.shape[0] * w.shape[1] * itemsize for w in self._weights.values()
+                   if not isinstance(w, torch.Tensor))
 
     # ---- placement and profile --------------------------------------------------------------
     def to(self, device) -> "PretrainedModel":
