@@ -140,8 +140,11 @@ def test_decode_is_exact_for_every_code_byte(double_quant, dtype, lut):
 def test_whole_weight_decode_is_exact(shape, double_quant, dtype):
     """nf4_decode writes NF4Weight.dequantize() rounded to the dtype, bit for bit: the fast
     decode (K % 64 == 0) and the general one, partial tiles and blocks across rows."""
-    w = every_code_byte(double_quant) if shape == "every code byte" else packed(shape, double_quant)[0]
-    p = K.DevicePacked.from_weight(w, DEV)
+    if shape == "every code byte":
+        w = every_code_byte(double_quant)
+        p = K.DevicePacked.from_weight(w, DEV)
+    else:
+        w, p, _ = packed(shape, double_quant)
     poison(*w.shape, dtype=dtype)
     got = K.nf4_decode(p, dtype)
     assert got.shape == w.shape and torch.equal(got.cpu(), w.dequantize().to(dtype))
