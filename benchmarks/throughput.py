@@ -20,7 +20,8 @@ micro-batch shape's kernels as a CUDA graph (profile cuda_graphs=True, the same 
 runs the adapters' products through the fused kernels (adapter_kernel="fused") and RMSNorm, RoPE
 and the head's cross-entropy through theirs (layer_kernel="fused"); the flag `:eager` measures
 the eager loop instead, `:torch` the adapters' torch ops, `:torch-layers` the layers' torch ops,
-`:fused` QLoRA's products through the fused NF4 kernels (nf4_kernel="fused", no decoded weight).
+`:fused` QLoRA's products through the fused NF4 kernels (nf4_kernel="fused", no decoded weight),
+`:microN` N sequences a micro-batch (8 / N micro-batches an update; 8 by default).
 The record holds both sides and their ratios.
 """
 import argparse
@@ -55,9 +56,6 @@ MODELS = {
     "llama-3.2-1b": (16, 2048, 32, 8, 8192, 128256, True, 500000.0),
     "llama-3.1-8b": (32, 4096, 32, 8, 14336, 128256, False, 500000.0),
 }
-# The 8B model's activations for 8 x 1024 positions exceed the largest admission budget (64 GiB),
-# so it takes the same 8 sequences per update as two micro-batches of 4.
-MICRO_BATCH = {"llama-3.1-8b": 4}
 DEFAULT = ["smollm2-135m:full", "smollm2-135m:lora", "smollm2-135m:qlora",
            "llama-3.2-1b:full", "llama-3.2-1b:lora", "llama-3.2-1b:qlora", "llama-3.1-8b:qlora"]
 
@@ -93,16 +91,23 @@ def data(vocab: int):
 
 
 def parse(combo: str) -> tuple[str, str, dict]:
-    """'model:method[:eager][:torch][:torch-layers][:fused]' -> (model, method, profile choices
-    besides the BF16 policy)."""
+    """'model:method[:eager][:torch][:torch-layers][:fused][:microN]' -> (model, method, profile
+    choices besides the BF16 policy); microN is read by `micro_batch`."""
     model, method, *flags = combo.split(":")
-    assert set(flags) <= {"eager", "torch", "torch-layers", "fused"}, combo
+    assert {f for f in flags if not f.startswith("micro")} <= {"eager", "torch", "torch-layers", "fused"}, combo
     choices = {"cuda_graphs": "eager" not in flags,
                "adapter_kernel": "torch" if "torch" in flags or method == "full" else "fused",
                "layer_kernel": "torch" if "torch-layers" in flags else "fused"}
     if method == "qlora":
         choices["nf4_kernel"] = "fused" if "fused" in flags else "decoded"
     return model, method, choices
+
+
+def micro_batch(combo: str) -> int:
+    """The micro-batch of `combo`: the whole batch of 8 sequences, or N of them (flag microN,
+    the update then accumulates 8 / N micro-batches)."""
+    sizes = [int(f[len("micro"):]) for f in combo.split(":")[2:] if f.startswith("micro")]
+    return sizes[0] if sizes else BATCH
 
 
 def select(base, method, choices):
@@ -129,7 +134,7 @@ def start(combo: str, updates: int):
     gc.collect()
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
-    micro = MICRO_BATCH.get(model, BATCH)
+    micro = micro_batch(combo)
     state, _ = src._fine_tune_start(tr, va, updates, micro, BATCH // micro, 1e-4, 0, 1.0)
     return src, tr, va, state
 
@@ -148,6 +153,7 @@ def ours(combo: str, steps=10, warmup=3) -> dict:
     # recording the graph) stays out of the figure, and no second run's copies stay alive. Each
     # update's end is an event on the GPU's stream, so timing adds no wait of its own: the GPU's
     # idle time between updates (the loop's own waits for the host) stays in the figure.
+    admitted = src._training_bytes(state.run.micro_batch, SEQ + 1)   # the estimate training is admitted by
     m = src._train(tr, va, state, warmup + steps, progress=False, on_update=tick)
     torch.cuda.synchronize()
     ends = ends[warmup - 1:]
@@ -155,7 +161,7 @@ def ours(combo: str, steps=10, warmup=3) -> dict:
     losses = list(m._state.losses[warmup:])
     result = {"side": "ours", "model": model, "method": method,
               "tokens_per_s": steps * BATCH * SEQ / sum(step_seconds),
-              "peak_bytes": torch.cuda.max_memory_allocated(), "step_seconds": step_seconds,
+              "peak_bytes": torch.cuda.max_memory_allocated(), "admitted_bytes": admitted, "step_seconds": step_seconds,
               "losses": losses, "finite": all(map(math.isfinite, losses)),
               "loss_fell": losses[-1] < losses[0], "parameters": m.parameters(), "micro_batch": state.run.micro_batch,
               "trainable_parameters": m.trainable_parameters(), "training_profile": m.training_profile()}

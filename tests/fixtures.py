@@ -121,6 +121,21 @@ def assert_same_state(a, b):
     assert a.validation_loss() == b.validation_loss()
 
 
+def train_counting_saved(select, data, **kw):
+    """(the model `select.fine_tune(*data, steps=1, **kw)` trains, the bytes of every tensor
+    autograd saved for backward during it that is not one of the model's weights or adapter
+    tensors). Each saved tensor is held until the end, so no storage is counted twice and the
+    figure is at least the largest set alive at once."""
+    import torch
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        model = select.fine_tune(*data, steps=1, **kw)
+    own = {t.untyped_storage().data_ptr() for t in [*model._weights.values(), *model._adapter_tensors.values()]
+           if isinstance(t, torch.Tensor)}
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in saved}
+    return model, sum(n for ptr, n in storages.items() if ptr not in own)
+
+
 def tokens(n, vocab=49152, seed=0):
     return np.random.default_rng(seed).integers(0, vocab, n).tolist()
 

@@ -10,8 +10,9 @@ import torch
 
 from aner import gen
 from aner.errors import ConfigError, ResourceError
+from aner.model.names import ALIASES
 from conftest import EXAMPLES
-from fixtures import Shape
+from fixtures import Shape, train_counting_saved
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 DEV = "cuda:0"
@@ -277,6 +278,25 @@ def test_fused_layers_agree_with_torch_ops(tiny_path, data, method, precision):
     dtype and SwiGLU's single rounding), and repeats its own bits."""
     a, ref = fused_against_torch_ops(tiny_path, data, method, precision, "layer_kernel")
     assert a._state.losses != ref._state.losses or precision == "float32"   # the fused path did run
+
+
+@pytest.mark.parametrize("storage,method", [("float32", "full"), ("float32", "lora"), ("nf4_double_quant", "lora")])
+@pytest.mark.parametrize("precision", ["float32", "bfloat16"])
+@pytest.mark.parametrize("layer_kernel", ["torch", "fused"])
+def test_kept_estimate_covers_what_backward_keeps(tiny_path, data, storage, method, precision, layer_kernel):
+    """On the GPU, under each policy and either layer path, the admission's estimate of what
+    backward keeps (plus the decoded weight alive at once) is at least what autograd saves. (The
+    fused loss saves no logits, which the estimate counts as the chunk alive during the loss: on
+    this tiny model they are most of it, so the CPU test bounds the estimate from above.)"""
+    base = gen.import_model(tiny_path, device=DEV)
+    kernels = dict(adapter_kernel="fused", nf4_kernel="decoded") if storage != "float32" else {}
+    if storage != "float32":
+        base = base.nf4(double_quant=True)
+    src = base if method == "full" else base.lora(targets=list(ALIASES), rank=2)
+    src = src.with_training_profile(precision=precision, layer_kernel=layer_kernel, **kernels)
+    _, kept = train_counting_saved(src, data, micro_batch=4)
+    estimate = src._kept_bytes(4, max(len(e.tokens) for e in data[0].items)) + src.memory_summary().dequant_tile_bytes
+    assert kept <= estimate
 
 
 def test_cuda_graphs_refuse_host_tiles(tiny_path):

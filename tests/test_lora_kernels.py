@@ -66,6 +66,36 @@ def test_forward_and_gradients(case, dtype):
     close(leaves[2].grad, gd.t() @ u, gd.abs().t() @ au, torch.float32)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_projections_of_one_input_together(dtype):
+    """Projections that read one x (q, k, v): one project over the stacked A's, one expand adding
+    the stacked du @ A to the bases' summed input gradient, one reduce for every A's gradient;
+    each output and gradient as each adapter's own, to FP32 accuracy."""
+    M, n_in = (300, 192) if not INTERPRET else (37, 100)
+    shapes = [(96, 16), (24, 16), (50, 3)]                    # (out, rank): unequal ranks and outputs
+    bases = [frozen_base(n_in, n) for n, _ in shapes]
+    x = torch.randn(M, n_in, device=DEV).to(dtype).requires_grad_(True)
+    a_s = [(torch.randn(r, n_in, device=DEV) / n_in ** 0.5).requires_grad_(True) for _, r in shapes]
+    b_s = [torch.randn(n, r, device=DEV).requires_grad_(True) for n, r in shapes]
+    g_s = [torch.randn(M, n, device=DEV).to(dtype) for n, _ in shapes]
+    outs = L.adapted_projections(bases, x, a_s, b_s)
+    torch.autograd.backward(outs, g_s)
+    xb = x.detach().clone().requires_grad_(True)
+    ys = [base(xb) for base in bases]
+    (dx_base,) = torch.autograd.grad(ys, xb, g_s)             # the bases' input gradients, summed
+    xd = x.detach().double()
+    dxd, dx_scale = dx_base.double(), dx_base.double().abs()
+    for a, b, g, y, out in zip(a_s, b_s, g_s, ys, outs):
+        ad, bd, gd, yd = (t.detach().double() for t in (a, b, g, y))
+        u, du = xd @ ad.t(), gd @ bd
+        au, adu = xd.abs() @ ad.abs().t(), gd.abs() @ bd.abs()
+        close(out, yd + u @ bd.t(), yd.abs() + au @ bd.abs().t(), dtype)
+        close(a.grad, du.t() @ xd, adu.t() @ xd.abs(), torch.float32)
+        close(b.grad, gd.t() @ u, gd.abs().t() @ au, torch.float32)
+        dxd, dx_scale = dxd + du @ ad, dx_scale + adu @ ad.abs()
+    close(x.grad, dxd, dx_scale, dtype)
+
+
 def test_deterministic_with_a_frozen_factor():
     """Two runs give the same bits, forward and gradients, with A frozen as in LoRA-FA; an input
     that needs no gradient (the first layer's) changes nothing else."""

@@ -9,8 +9,9 @@ import torch
 from aner import AnerError, gen
 from aner.errors import ArtifactError, ConfigError, DataError, FormatError, ResourceError
 from aner.formats.checkpoint import _digest
+from aner.model.names import ALIASES
 from aner.train.loop import TrainState, RunConfig, window
-from fixtures import assert_same_state, rewrite
+from fixtures import assert_same_state, rewrite, train_counting_saved
 
 
 def snapshot(model):
@@ -156,6 +157,15 @@ def test_admission_refuses_training_over_budget(tiny, data):
     small = gen.import_model(tiny, max_memory_bytes=30 << 20)
     with pytest.raises(ResourceError, match="training needs an estimated"):
         small.fine_tune(tr, va, steps=1)
+
+
+@pytest.mark.parametrize("select", ["full", "lora"])
+def test_activation_estimate_covers_what_backward_keeps(base, data, select):
+    """The admission's estimate of what backward keeps is at least what autograd really saves."""
+    src = base if select == "full" else base.lora(targets=list(ALIASES), rank=4)
+    _, kept = train_counting_saved(src, data, micro_batch=4)
+    estimate = src._kept_bytes(4, max(len(e.tokens) for e in data[0].items))
+    assert kept <= estimate < 4 * kept
 
 
 def test_resume_refusals(base, data, tmp_path):

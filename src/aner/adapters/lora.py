@@ -38,6 +38,16 @@ class LoRALinear(nn.Module):
         # a pass over the output in forward and backward.
         return add_low_rank(self.base, x, self.lora_a, self.scale * self.lora_b, self.fused)
 
+    @staticmethod
+    def joint(x, modules):
+        """The outputs of `modules` for one input x: through the fused kernels together (x read
+        once for all of them) when every one is fused, else each on its own."""
+        if not all(m.fused for m in modules):
+            return tuple(m(x) for m in modules)
+        from ..kernels.lora import adapted_projections
+        return adapted_projections([m.base for m in modules], x, [m.lora_a for m in modules],
+                                   [m.scale * m.lora_b for m in modules])
+
 
 class LoRA(Method):
     def __init__(self, config):

@@ -13,7 +13,9 @@ for 2 * r multiply-adds of work. Here three kernels cover forward and backward:
 
 The frozen base projection runs inside (`adapted_projection`): its output is the base that
 expand adds the delta to, and in backward its own input gradient is the base that expand adds
-du @ A to, so the input gradient's sum is no pass of its own and is rounded once.
+du @ A to, so the input gradient's sum is no pass of its own and is rounded once. Projections
+that read one input (q, k, v; gate, up) go together (`adapted_projections`): their A's stacked,
+x is read once by project and once by reduce_tokens, and one expand writes the input gradient.
 
 Each reads its (M, N) operand once in its own dtype (FP32, FP16 or BF16) and computes its
 products to FP32 accuracy, as the adapter policy requires: on the tensor cores through exact BF16
@@ -71,17 +73,18 @@ def _project_kernel(p, w, out, M, N, R, stride_wr, stride_wn, STEPS: tl.constexp
 
 
 @triton.jit
-def _expand_kernel(q, w, base, out, M, N, R, stride_wn, stride_wr,
+def _expand_kernel(q, w, base, out, M, N, R, stride_qm, stride_wn, stride_wr,
                    HAS_BASE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, RP: tl.constexpr,
                    TC: tl.constexpr):
-    """out (M, N) = base + q (M, R) @ w^T for w (N, R) given by its strides; FP32, one rounding."""
+    """out (M, N) = base + q (M, R) @ w^T for q given by its row stride and w (N, R) by its
+    strides; FP32, one rounding."""
     offs_m = tl.program_id(0) * BM + tl.arange(0, BM)
     offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
     offs_r = tl.arange(0, RP)
     m_mask = offs_m < M
     n_mask = offs_n < N
     r_mask = offs_r < R
-    qt = tl.load(q + offs_m.to(tl.int64)[:, None] * R + offs_r[None, :],
+    qt = tl.load(q + offs_m.to(tl.int64)[:, None] * stride_qm + offs_r[None, :],
                  mask=m_mask[:, None] & r_mask[None, :], other=0.0)               # (BM, RP)
     wt = tl.load(w + offs_r[:, None] * stride_wr + offs_n[None, :] * stride_wn,
                  mask=r_mask[:, None] & n_mask[None, :], other=0.0)                # (RP, BN)
@@ -94,11 +97,11 @@ def _expand_kernel(q, w, base, out, M, N, R, stride_wn, stride_wr,
 
 
 @triton.jit
-def _reduce_tokens_kernel(p, q, part, M, N, R, STEPS: tl.constexpr,
+def _reduce_tokens_kernel(p, q, part, M, N, R, stride_qm, STEPS: tl.constexpr,
                           BM: tl.constexpr, BN: tl.constexpr, RP: tl.constexpr, P_BF16: tl.constexpr,
                           TC: tl.constexpr):
-    """part[s] (N, R) FP32 = p[rows of part s]^T @ q[rows of part s] for p (M, N), q (M, R) FP32;
-    part s is rows [s, s + 1) * STEPS * BM."""
+    """part[s] (N, R) FP32 = p[rows of part s]^T @ q[rows of part s] for p (M, N), q (M, R) FP32
+    given by its row stride; part s is rows [s, s + 1) * STEPS * BM."""
     offs_n = tl.program_id(0) * BN + tl.arange(0, BN)
     pid_s = tl.program_id(1)
     offs_r = tl.arange(0, RP)
@@ -110,7 +113,7 @@ def _reduce_tokens_kernel(p, q, part, M, N, R, STEPS: tl.constexpr,
         m_mask = offs_m < M
         rows = offs_m.to(tl.int64)[:, None]
         pt = tl.load(p + rows * N + offs_n[None, :], mask=m_mask[:, None] & n_mask[None, :], other=0.0)
-        qt = tl.load(q + rows * R + offs_r[None, :], mask=m_mask[:, None] & r_mask[None, :], other=0.0)
+        qt = tl.load(q + rows * stride_qm + offs_r[None, :], mask=m_mask[:, None] & r_mask[None, :], other=0.0)
         acc = fp32_dot(tl.trans(pt), qt, acc, P_BF16, TC)
     tl.store(part + pid_s.to(tl.int64) * N * R + offs_n[:, None] * R + offs_r[None, :], acc,
              mask=n_mask[:, None] & r_mask[None, :])
@@ -154,79 +157,103 @@ def project(p: torch.Tensor, w: torch.Tensor, tiles: Tiles | None = None) -> tor
 
 def expand(q: torch.Tensor, w: torch.Tensor, base: torch.Tensor | None, dtype: torch.dtype,
            tiles: Tiles | None = None) -> torch.Tensor:
-    """(base +) q (M, R) @ w^T -> (M, N) in `dtype`, for w (N, R) FP32 (any strides)."""
+    """(base +) q (M, R) @ w^T -> (M, N) in `dtype`, for q FP32 (rows of any stride, e.g. columns
+    of a wider matrix) and w (N, R) FP32 (any strides)."""
     M, R = q.shape
+    assert q.stride(1) == 1
     N = w.shape[0]
     t = tiles or default_tiles("expand", R)
     out = torch.empty(M, N, device=q.device, dtype=dtype)
     if M:
         _expand_kernel[(triton.cdiv(M, t.bm), triton.cdiv(N, t.bn))](
-            q, w, q if base is None else base, out, M, N, R, w.stride(0), w.stride(1),
+            q, w, q if base is None else base, out, M, N, R, q.stride(0), w.stride(0), w.stride(1),
             HAS_BASE=base is not None, BM=t.bm, BN=t.bn, RP=_rank_tile(R), TC=t.tc,
             num_warps=t.warps, num_stages=1)
     return out
 
 
 def reduce_tokens(p: torch.Tensor, q: torch.Tensor, tiles: Tiles | None = None) -> torch.Tensor:
-    """p (M, N)^T @ q (M, R) -> (N, R) FP32, the token dimension split in a fixed number of
-    parts summed in order."""
+    """p (M, N)^T @ q (M, R) -> (N, R) FP32 (q's rows of any stride), the token dimension split in a
+    fixed number of parts summed in order."""
     M, N = p.shape
     R = q.shape[1]
+    assert q.stride(1) == 1
     t = tiles or default_tiles("reduce_tokens", R)
     split, per = _parts(triton.cdiv(N, t.bn), triton.cdiv(M, t.bm), t.split)
     part = torch.zeros(split, N, R, device=p.device, dtype=torch.float32)
     if M:
         _reduce_tokens_kernel[(triton.cdiv(N, t.bn), split)](
-            p, q, part, M, N, R, STEPS=per, BM=t.bm, BN=t.bn, RP=_rank_tile(R),
+            p, q, part, M, N, R, q.stride(0), STEPS=per, BM=t.bm, BN=t.bn, RP=_rank_tile(R),
             P_BF16=p.dtype == torch.bfloat16, TC=t.tc, num_warps=t.warps, num_stages=2)
     return sum_splits(part)
 
 
-class _AdaptedProjection(torch.autograd.Function):
-    """y = base(x) + (x @ A^T) @ B^T for a frozen `base`; gradients for x, A and B.
+def _stack(ts, dim):
+    return ts[0] if len(ts) == 1 else torch.cat(ts, dim)
 
-    The base runs on a detached x inside the forward, its autograd graph recorded when x needs a
-    gradient. Backward takes the base's input gradient through that graph and adds du @ A to it
-    inside expand. The graph's root, the base's output, keeps no data: a projection's backward
-    reads its inputs only, so its storage is freed once the delta is added (the unfused path
-    keeps no copy either)."""
+
+class _AdaptedProjections(torch.autograd.Function):
+    """y_i = base_i(x) + (x @ A_i^T) @ B_i^T for frozen bases that read one x; gradients for x and
+    every A_i and B_i.
+
+    The bases run on a detached x inside the forward, their autograd graph recorded when x needs
+    a gradient. The A_i are stacked: one project reads x once for all of them, one reduce over the
+    tokens makes all their gradients from one read of x, and one expand adds the stacked du @ A to
+    the bases' input gradient, taken through that graph. The graph's roots, the bases' outputs,
+    keep no data: a projection's backward reads its inputs only, so their storage is freed once
+    the deltas are added (the unfused path keeps no copy either)."""
 
     @staticmethod
-    def forward(ctx, x2d, a, b, base, track):
+    def forward(ctx, x2d, bases, track, *factors):
+        a_s, b_s = factors[:len(bases)], factors[len(bases):]
         with torch.enable_grad():
             xb = x2d.detach().requires_grad_(track)
-            y = base(xb)                                           # (M, out), a fresh tensor
-        u = project(x2d, a)                                        # (M, r) FP32
-        ctx.save_for_backward(x2d, a, b, u)
-        out = expand(u, b, y.detach(), y.dtype)
+            ys = [base(xb) for base in bases]                     # (M, out_i), fresh tensors
+        a = _stack(a_s, 0)                                        # (sum r_i, in)
+        ctx.ranks = [t.shape[0] for t in a_s]
+        u = project(x2d, a)                                       # (M, sum r_i) FP32
+        outs = [expand(u_i, b, y.detach(), y.dtype) for u_i, b, y in zip(u.split(ctx.ranks, 1), b_s, ys)]
+        ctx.save_for_backward(x2d, a, u, *b_s)
         ctx.graph = None
         if track:
-            y.untyped_storage().resize_(0)
-            ctx.graph = (xb, y)
-        return out
+            for y in ys:
+                y.untyped_storage().resize_(0)
+            ctx.graph = (xb, ys)
+        return tuple(outs)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, g):
-        x2d, a, b, u = ctx.saved_tensors
-        g = g.contiguous()
-        du = project(g, b.t())                                     # (M, r) = g @ B
+    def backward(ctx, *gs):
+        x2d, a, u, *b_s = ctx.saved_tensors
+        n, needs = len(b_s), ctx.needs_input_grad
+        gs = [g.contiguous() for g in gs]
+        du = _stack([project(g, b.t()) for g, b in zip(gs, b_s)], 1)      # (M, sum r_i): g_i @ B_i
         dx = None
-        if ctx.needs_input_grad[0]:
-            xb, y = ctx.graph
-            (dx_base,) = torch.autograd.grad(y, xb, g)
+        if needs[0]:
+            xb, ys = ctx.graph
+            (dx_base,) = torch.autograd.grad(ys, xb, gs)
             dx = expand(du, a.t(), dx_base.contiguous(), x2d.dtype)
         ctx.graph = None
-        da = reduce_tokens(x2d, du).t().contiguous() if ctx.needs_input_grad[1] else None   # (r, in) = du^T x
-        db = reduce_tokens(g, u) if ctx.needs_input_grad[2] else None         # (out, r) = g^T u
-        return dx, da, db, None, None
+        da = [None] * n
+        if any(needs[3:3 + n]):                                   # (r_i, in) = du_i^T x
+            da = [d.t().contiguous() if need else None
+                  for d, need in zip(reduce_tokens(x2d, du).split(ctx.ranks, 1), needs[3:3 + n])]
+        db = [reduce_tokens(g, u_i) if need else None                # (out_i, r_i) = g_i^T u_i
+              for g, u_i, need in zip(gs, u.split(ctx.ranks, 1), needs[3 + n:])]
+        return dx, None, None, *da, *db
+
+
+def adapted_projections(bases, x: torch.Tensor, a_s, b_s) -> tuple[torch.Tensor, ...]:
+    """base_i(x) + (x @ a_i^T) @ b_i^T for each i, each in its base output's dtype: x (..., in) of
+    any float dtype, `bases` frozen projection modules (outputs (..., out_i), 2-D in and out along
+    the last dimension), a_i (r_i, in) and b_i (out_i, r_i) FP32 (b_i already carries its
+    adapter's scale)."""
+    lead = x.shape[:-1]
+    x2d = x.reshape(-1, x.shape[-1]).contiguous()
+    outs = _AdaptedProjections.apply(x2d, tuple(bases), torch.is_grad_enabled() and x.requires_grad, *a_s, *b_s)
+    return tuple(out.reshape(*lead, out.shape[-1]) for out in outs)
 
 
 def adapted_projection(base, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """base(x) + (x @ a^T) @ b^T in the base output's dtype: x (..., in) of any float dtype,
-    `base` a frozen projection module (its output (..., out), 2-D in and out along the last
-    dimension), a (r, in) and b (out, r) FP32 (b already carries the adapter's scale)."""
-    lead = x.shape[:-1]
-    x2d = x.reshape(-1, x.shape[-1]).contiguous()
-    out = _AdaptedProjection.apply(x2d, a, b, base, torch.is_grad_enabled() and x.requires_grad)
-    return out.reshape(*lead, out.shape[-1])
+    """adapted_projections for one base."""
+    return adapted_projections((base,), x, (a,), (b,))[0]

@@ -346,17 +346,25 @@ class PretrainedModel:
             raise ConfigError(f"validation example(s) {overlap[:10]} also appear exactly in this run's "
                               "training data or the model's training lineage; choose disjoint rows")
 
-    def _admit_training(self, micro_batch: int, context: int) -> None:
+    def _kept_bytes(self, micro_batch: int, context: int) -> int:
+        """What backward keeps over one micro-batch: the activations, and under FP16/BF16 the
+        operand-dtype copies of floating matrices that their products save."""
+        p = self._profile
+        itemsize = p.compute_dtype.itemsize
+        casts = 0 if itemsize == 4 else sum(w.numel() * itemsize for w in self._weights.values()
+                                            if isinstance(w, torch.Tensor) and w.dim() == 2)
+        return casts + activation_bytes(self._source.config, micro_batch, context, self._device, itemsize,
+                                        p.layer_kernel == "fused")
+
+    def _training_bytes(self, micro_batch: int, context: int) -> int:
+        """The estimate that training is admitted by: tensors, two gradient sets (a micro-batch's
+        and the window's sum, or a CUDA graph's shared buffers), the two moments, what backward keeps."""
         m = self.memory_summary()
-        # two gradient sets (a micro-batch's and the window's sum, or a CUDA graph's shared
-        # buffers) and the two moments
-        grads_and_moments = 4 * m.trainable_bytes
-        needed = m.weight_bytes + m.adapter_bytes + m.frozen_adapter_bytes + grads_and_moments \
-            + activation_bytes(self._source.config, micro_batch, context, self._device) + m.dequant_tile_bytes \
-            + m.gpu_packed_base_bytes
+        needed = m.weight_bytes + m.adapter_bytes + m.frozen_adapter_bytes + 4 * m.trainable_bytes \
+            + self._kept_bytes(micro_batch, context) + m.dequant_tile_bytes + m.gpu_packed_base_bytes
         if self._method is None and self._storage == "float32":
             needed += m.floating_base_bytes  # the private copy that training updates
-        admit("training", needed, self._budget)
+        return needed
 
     def fine_tune(self, training, validation, steps, micro_batch=1, accumulation=1, rate=2e-4, seed=0,
                   clip_norm=1.0, progress=None) -> "PretrainedModel":
@@ -418,7 +426,8 @@ class PretrainedModel:
         validation loss is None: no evaluation of those weights has run.
         """
         from ..train.loop import run
-        self._admit_training(state.run.micro_batch, max(len(e.tokens) for e in training.items))
+        context = max(len(e.tokens) for e in training.items)
+        admit("training", self._training_bytes(state.run.micro_batch, context), self._budget)
         weights, tensors = self._weights, self._adapter_tensors
         if self._method is None:
             weights = {n: w.detach().clone().requires_grad_(True) for n, w in weights.items()}

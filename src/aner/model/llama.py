@@ -116,6 +116,16 @@ def swiglu(gate, up):
     return F.silu(gate) * up
 
 
+def shared_input(x, modules):
+    """The outputs of projections that read the same x. A module type with `joint(x, modules)`
+    (the fused adapters) takes a group of its own kind together, reading x once; otherwise each
+    module runs on its own."""
+    kind = type(modules[0])
+    if hasattr(kind, "joint") and all(type(m) is kind for m in modules):
+        return kind.joint(x, modules)
+    return tuple(m(x) for m in modules)
+
+
 class Block(nn.Module):
     def __init__(self, config: LlamaConfig, modules: dict[str, nn.Module], rope=rope, swiglu=swiglu):
         super().__init__()
@@ -127,9 +137,10 @@ class Block(nn.Module):
     def attention(self, x, cos, sin):
         c = self.config
         B, T, _ = x.shape
-        q = self.attn_q(x).view(B, T, c.n_head, c.head_dim).transpose(1, 2)     # (B, H, T, E)
-        k = self.attn_k(x).view(B, T, c.n_kv_head, c.head_dim).transpose(1, 2)  # (B, K, T, E)
-        v = self.attn_v(x).view(B, T, c.n_kv_head, c.head_dim).transpose(1, 2)  # (B, K, T, E)
+        q, k, v = shared_input(x, (self.attn_q, self.attn_k, self.attn_v))
+        q = q.view(B, T, c.n_head, c.head_dim).transpose(1, 2)       # (B, H, T, E)
+        k = k.view(B, T, c.n_kv_head, c.head_dim).transpose(1, 2)    # (B, K, T, E)
+        v = v.view(B, T, c.n_kv_head, c.head_dim).transpose(1, 2)    # (B, K, T, E)
         q, k = self.rope(q, cos, sin, v.dtype), self.rope(k, cos, sin, v.dtype)
         # enable_gqa maps query head h to key/value head h // (H/K), as llama.cpp does.
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
@@ -138,7 +149,7 @@ class Block(nn.Module):
         return self.attn_output(y)
 
     def mlp(self, x):
-        return self.ffn_down(self.swiglu(self.ffn_gate(x), self.ffn_up(x)))
+        return self.ffn_down(self.swiglu(*shared_input(x, (self.ffn_gate, self.ffn_up))))
 
     def forward(self, x, y, cos, sin):
         """x: the FP32 residual stream before the previous block's output y (None before the

@@ -62,18 +62,24 @@ class MemorySummary:
         return "\n".join([f"{k:<{width}}  {v}" for k, v in rows] + [f"scope: {self.scope}"])
 
 
-def activation_bytes(config, micro_batch: int, tokens: int, device: str = "cpu") -> int:
-    """Conservative FP32 activations kept for backward over one micro-batch of `tokens` positions.
+def activation_bytes(config, micro_batch: int, tokens: int, device: str = "cpu", itemsize: int = 4,
+                     fused_layers: bool = False) -> int:
+    """Conservative activations kept for backward over one micro-batch of `tokens` positions, for
+    products in a dtype of `itemsize` bytes (4 under the FP32 policy, 2 under FP16/BF16).
 
-    Per layer: ~10 width-sized tensors (norms, q/k/v, attention output, residuals), 4 feed-forward
-    sized (gate, up, activation, product) and, on the CPU, the attention probabilities (H x T x T);
-    CUDA's fused attention kernels keep one log-sum-exp per row and head instead. Plus one chunk
-    of logits over the vocabulary with its softmax and gradient (train/loss.py), and the hidden
-    states' gradient the chunked loss keeps.
+    Per layer: the two FP32 residual streams the norms read, and two more FP32 width-sized
+    tensors that the torch norms keep (none with the fused norms, `fused_layers`); 6 width-sized
+    tensors in the operand dtype (the two normed inputs, q, k, v after RoPE, the attention output
+    and its copy) and 4 feed-forward sized (gate, up, activation, product); on the CPU, the
+    attention probabilities (H x T x T) in FP32, where CUDA's fused attention kernels keep one
+    log-sum-exp per row and head instead. Plus one chunk of FP32 logits over the vocabulary with
+    its softmax and gradient (train/loss.py), and the hidden states' gradient the chunked loss
+    keeps. Under the FP32 policy that is 10 width-sized and 4 feed-forward sized FP32 tensors.
     """
     from .loss import chunk_positions
     c = config
+    fp32_width = 2 if fused_layers else 4
     attention = c.n_head * tokens if device == "cpu" else c.n_head
-    per_layer = tokens * (10 * c.dim + 4 * c.ffn_dim + attention)
+    per_layer = tokens * (4 * (fp32_width * c.dim + attention) + itemsize * (6 * c.dim + 4 * c.ffn_dim))
     logits = 3 * min(micro_batch * tokens, chunk_positions(c.vocab_size)) * c.vocab_size
-    return 4 * (micro_batch * (c.n_layer * per_layer + tokens * c.dim) + logits)
+    return micro_batch * (c.n_layer * per_layer + 4 * tokens * c.dim) + 4 * logits
