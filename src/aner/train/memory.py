@@ -74,7 +74,8 @@ def activation_bytes(config, micro_batch: int, tokens: int, device: str = "cpu",
     attention probabilities (H x T x T) in FP32, where CUDA's fused attention kernels keep one
     log-sum-exp per row and head instead. Plus one chunk of FP32 logits over the vocabulary with
     its softmax and gradient (train/loss.py), and the hidden states' gradient the chunked loss
-    keeps. Under the FP32 policy that is 10 width-sized and 4 feed-forward sized FP32 tensors.
+    keeps. With the torch norms under the FP32 policy: 10 width-sized and 4 feed-forward sized FP32
+    tensors, as before the operand dtype was counted.
     """
     from .loss import chunk_positions
     c = config
