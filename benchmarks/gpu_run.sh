@@ -8,6 +8,7 @@
 #   kernels     benchmarks/nf4_kernels.py (fused NF4 against dense)  -> <date>-h200-nf4-kernels.json
 #               (KERNELS=--quick: the 4096 x 4096 points only; "--defaults --problems N,K,M ...": the default rows there)
 #   lora        benchmarks/lora_kernels.py (fused adapter kernels)   -> <date>-h200-lora-kernels.json
+#               (LORA=--sweep: the tile grid at every shape of a Llama-3.2-1B and Llama-3.1-8B update)
 #   adamw       benchmarks/adamw.py (ours against torch.optim.AdamW) -> <date>-h200-adamw.json
 #   throughput  benchmarks/throughput.py (ours against the peer)     -> <date>-h200.json
 #               (COMBOS="model:method ..." narrows it)
@@ -35,7 +36,7 @@ for stage in "$@"; do
     kernels) python3 benchmarks/nf4_kernels.py "$OUT/$day-h200-nf4-kernels.json" ${KERNELS:-} 2>&1 | tee "$OUT/nf4-kernels.log" | tail -n 40 ;;
     adamw) python3 benchmarks/adamw.py "$OUT/$day-h200-adamw.json" --device cuda:0 --models smollm2-135m llama-3.2-1b 2>&1 \
              | tee "$OUT/adamw.log" ;;
-    lora) python3 benchmarks/lora_kernels.py "$OUT/$day-h200-lora-kernels.json" 2>&1 | tee "$OUT/lora-kernels.log" | tail -n 60 ;;
+    lora) python3 benchmarks/lora_kernels.py "$OUT/$day-h200-lora-kernels.json" ${LORA:-} 2>&1 | tee "$OUT/lora-kernels.log" | tail -n 60 ;;
     throughput) python3 benchmarks/throughput.py "$OUT/$day-h200.json" ${COMBOS:-} 2>&1 | tee "$OUT/throughput.log" ;;
     profile) for c in ${PROFILES:-smollm2-135m:lora:eager llama-3.2-1b:lora:eager}; do python3 benchmarks/throughput.py --profile $c; done 2>&1 \
                | tee "$OUT/profile.log" | grep -v "^-" | cut -c1-160 | head -n 90 ;;

@@ -1,16 +1,25 @@
 """Fused low-rank adapter kernels against the same FP32 products written with torch ops, on a GPU.
 
-    PYTHONPATH=src python3 benchmarks/lora_kernels.py OUT.json
+    PYTHONPATH=src python3 benchmarks/lora_kernels.py OUT.json [--sweep]
 
 One adapter's forward and backward at the training shapes (8192 tokens, rank 16, BF16
 activations; Llama-3.2-1B's 2048 and 8192 widths): each op and tile variant is first checked on
 fresh data against a float64 reference (FP32 accuracy: 2e-5 of the summed magnitudes), then timed with triton.testing.do_bench (median ms).
 The baseline is the unfused path of `aner.adapters` (`x.float() @ A^T`, `@ B^T`, a cast and an
 add; autograd's FP32 GEMMs in backward). `floor_ms` is the op's bytes at 4.8 TB/s.
+
+--sweep: every op at every shape one update of Llama-3.2-1B or Llama-3.1-8B LoRA on all seven
+projections gives it (q, k, v and gate, up together), over a grid of tiles, warps and pipeline
+stages; compiled first in parallel processes, then checked and timed one at a time, each as a
+replayed CUDA graph over operand copies that do not fit in L2. Prints, per
+model and op, the per-update time of the default tiles, of the best single variant and of the
+best per shape.
 """
 import datetime
+import itertools
 import json
 import sys
+from concurrent.futures import ProcessPoolExecutor
 
 import torch
 import triton.testing
@@ -29,15 +38,129 @@ VARIANTS = {
 }
 
 
-def bench(fn):
-    return triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")
+def bench(fn, rep=50):
+    return triton.testing.do_bench(fn, warmup=10, rep=rep, return_mode="median")
 
 
 def check(got, ref, scale):
     return ((got.double() - ref).abs() / scale.clamp_min(1e-30)).max().item()
 
 
+WIDTHS = {"llama-3.2-1b": (2048, 512, 8192), "llama-3.1-8b": (4096, 1024, 14336)}   # D, K * E, F
+
+
+def update_calls(D, KV, F):
+    """{(op, N, R): calls per layer} of one update's adapter kernels (rank 16; u of q, k, v is
+    (M, 48), of gate, up (M, 32))."""
+    ins = [(D, 48), (D, 16), (D, 32), (F, 16)]                   # q,k,v | o | gate,up | down
+    outs = [(D, 16)] * 3 + [(KV, 16)] * 2 + [(F, 16)] * 2        # q, o, down | k, v | gate, up
+    calls = {}
+    for key in ([("project", *c) for c in ins + outs] + [("reduce_tokens", *c) for c in ins + outs]
+                + [("expand", *c) for c in outs + ins]):
+        calls[key] = calls.get(key, 0) + 1
+    return calls
+
+
+def grid(op):
+    if op == "expand":
+        return [T(bm, bn, warps=w) for bm, bn, w in itertools.product((32, 64, 128), (64, 128, 256), (4, 8))]
+    return [T(bm, bn, warps=w, stages=st) for bm, bn, w, st in
+            itertools.product((64, 128, 256), (32, 64, 128), (4, 8), (2, 3, 4)) if bm * bn * st <= 65536]
+
+
+def operands(op, N, R):
+    """(run(tiles, i) on operand copy i, the float64 reference of copy 0 and its summed
+    magnitudes, bytes moved): enough
+    copies of the (M, N) operand to hold ~128 MiB, so that a timed run reads it from memory as a
+    training step does, not from L2."""
+    g = torch.Generator(device="cuda").manual_seed(N * 1000 + R)
+    copies = -(-2 ** 27 // (M * N * 2))
+    ps = [torch.randn(M, N, device="cuda", generator=g).bfloat16() for _ in range(copies)]
+    w = torch.randn(R, N, device="cuda", generator=g) / N ** 0.5
+    q = torch.randn(M, R, device="cuda", generator=g)
+    p = ps[0]
+    if op == "project":
+        return ((lambda t, i=0: L.project(ps[i], w, t)),
+                lambda: (p.double() @ w.double().t(), p.double().abs() @ w.double().abs().t()), p.numel() * 2)
+    if op == "expand":
+        return ((lambda t, i=0: L.expand(q, w.t(), ps[i], p.dtype, t)),
+                lambda: (p.double() + q.double() @ w.double(), p.double().abs() + q.double().abs() @ w.double().abs()),
+                2 * p.numel() * 2)
+    return ((lambda t, i=0: L.reduce_tokens(ps[i], q, t)),
+            lambda: (p.double().t() @ q.double(), p.double().abs().t() @ q.double().abs()), p.numel() * 2)
+
+
+def bench_graphed(fn, copies):
+    """Median ms of fn(i) for i cycling over the copies, replayed as one CUDA graph (no launch
+    overhead, as in training under cuda_graphs)."""
+    turn = itertools.cycle(range(copies))
+    return triton.testing.do_bench_cudagraph(lambda: fn(next(turn)), rep=20, return_mode="median")
+
+
+def _compile(job):
+    op, N, R, variants = job
+    fn, _, _ = operands(op, N, R)
+    for t in variants:
+        try:
+            fn(t)
+        except Exception:   # the timing pass records it
+            pass
+    torch.cuda.synchronize()
+    return job[:3]
+
+
+def sweep(out):
+    shapes = sorted({k for widths in WIDTHS.values() for k in update_calls(*widths)})
+    jobs = [(op, N, R, grid(op)[i::3]) for op, N, R in shapes for i in range(3)]
+    with ProcessPoolExecutor(15, mp_context=torch.multiprocessing.get_context("spawn")) as pool:
+        list(pool.map(_compile, jobs))
+    rows = []
+    for op, N, R in shapes:
+        fn, ref, nbytes = operands(op, N, R)
+        ref, scale = ref()
+        copies = -(-2 ** 27 // (M * N * 2))
+        # FP32 sums (and expand's rounding to BF16)
+        tol = (2e-5 * scale + (2 ** -8 * ref.abs() if op == "expand" else 0)).double()
+        default = L.default_tiles(op, R)
+        for t in dict.fromkeys([default, *grid(op)]):
+            row = {"op": op, "N": N, "R": R, "variant": str(t), "default": t == default,
+                   "floor_ms": nbytes / BANDWIDTH * 1e3}
+            try:
+                err = (fn(t).double() - ref).abs()
+                row.update(ms=bench_graphed(lambda i: fn(t, i), copies), abs_err=err.max().item(),
+                           ok=bool((err <= tol).all()))
+            except Exception as e:  # recorded, not hidden
+                row["error"] = f"{type(e).__name__}: {e}"[:200]
+            rows.append(row)
+        mine = [r for r in rows if (r["op"], r["N"], r["R"]) == (op, N, R)]
+        none = {"ms": float("nan"), "variant": "none", "floor_ms": float("nan")}
+        best = min((r for r in mine if r.get("ok")), key=lambda r: r["ms"], default=none)
+        dflt = next(r for r in mine if r["default"])
+        print(f"{op:14} N={N:<6} R={R:<3} default {dflt.get('ms', float('nan')) * 1e3:7.1f} us  "
+              f"best {best['ms'] * 1e3:7.1f} us {best['variant']}  (floor {best['floor_ms'] * 1e3:.0f})", flush=True)
+    for model, widths in WIDTHS.items():
+        calls = update_calls(*widths)
+        layers = {"llama-3.2-1b": 16, "llama-3.1-8b": 32}[model]
+        for op in ("project", "expand", "reduce_tokens"):
+            mine = {k: n * layers for k, n in calls.items() if k[0] == op}
+            ok = [r for r in rows if (r["op"], r["N"], r["R"]) in mine and r.get("ok")]
+            total = lambda rs: sum(r["ms"] * mine[r["op"], r["N"], r["R"]] for r in rs)  # noqa: E731
+            per_variant = {}
+            for r in ok:
+                per_variant.setdefault(r["variant"], []).append(r)
+            whole = {v: total(rs) for v, rs in per_variant.items() if len(rs) == len(mine)}
+            v_best = min(whole, key=whole.get)
+            shape_best = total(min((r for r in ok if (r["N"], r["R"]) == k[1:]), key=lambda r: r["ms"]) for k in mine)
+            print(f"{model:13} {op:14} per update: default {total(r for r in ok if r['default']):6.2f} ms, "
+                  f"best one {whole[v_best]:6.2f} ms ({v_best}), best per shape {shape_best:6.2f} ms", flush=True)
+    with open(out, "w") as f:
+        json.dump({"schema": "aner.lora_tiles/1", "date": datetime.date.today().isoformat(),
+                   "device": torch.cuda.get_device_name(0), "torch": torch.__version__, "rows": rows}, f, indent=1)
+
+
 def main():
+    if "--sweep" in sys.argv:
+        return sweep(sys.argv[1])
     out = sys.argv[1]
     dev = "cuda"
     torch.backends.cuda.matmul.allow_tf32 = False

@@ -327,3 +327,27 @@ def test_trained_projection_keeps_its_weight_gradient_in_fp32(dtype):
     err = ((dw.double() - want).abs() / magnitude).max().item()
     err_rounded = ((ref_dw.double() - want).abs() / magnitude).max().item()
     assert err <= 1e-6 and err_rounded >= 30 * err, (err, err_rounded)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_trained_projections_of_one_input_chain_their_input_gradient(dtype):
+    """Trained weights that read one x (q, k, v): each output and weight gradient are those of the
+    weight on its own, bit for bit; the input gradient is one chain of products (one rounding of
+    the running sum per weight), where autograd rounds each product and then each sum."""
+    from aner.model.llama import Dense
+    g = torch.Generator(device=DEV).manual_seed(0)
+    ws = [(torch.randn(n, 64, device=DEV, generator=g) * 0.05).requires_grad_(True) for n in (96, 32, 32)]
+    x = torch.randn(3, 50, 64, device=DEV, generator=g).requires_grad_(True)
+    dys = [torch.randn(3, 50, w.shape[0], device=DEV, generator=g).to(dtype) for w in ws]
+    with torch.autocast("cuda", dtype=dtype):
+        ys = Dense.joint(x, [Dense(w) for w in ws])
+        alone = [Dense(w)(x) for w in ws]
+    grads = torch.autograd.grad(ys, [x, *ws], dys)
+    for y, y1, w, dw, dy in zip(ys, alone, ws, grads[1:], dys):
+        assert torch.equal(y, y1) and torch.equal(dw, torch.autograd.grad(y1, w, dy, retain_graph=True)[0])
+    w_op = [w.detach().to(dtype).double() for w in ws]
+    want = sum(dy.double() @ w for dy, w in zip(dys, w_op))
+    chain = sum(dy.double().abs() @ w.abs() for dy, w in zip(dys, w_op))
+    eps = 2.0 ** (-10 if dtype == torch.float16 else -7)
+    assert grads[0].dtype == torch.float32
+    assert ((grads[0].double() - want).abs() <= len(ws) * eps * chain + 1e-30).all()

@@ -41,12 +41,14 @@ TARGET_PROGRAMS = 264   # two programs per multiprocessor on an H200/H100 SXM
 class Tiles:
     """One launch's tiles: bm rows (tokens) x bn columns; split: parts of the reduced dimension
     of project and reduce_tokens (0: enough parts for TARGET_PROGRAMS programs); tc: products on
-    the tensor cores through BF16 parts (`fp32.fp32_dot`), else FP32 FMAs."""
+    the tensor cores through BF16 parts (`fp32.fp32_dot`), else FP32 FMAs; stages: the software
+    pipeline's depth of the loops of project and reduce_tokens."""
     bm: int
     bn: int
     warps: int = 4
     split: int = 0
     tc: bool = True
+    stages: int = 2
 
 
 @triton.jit
@@ -125,13 +127,14 @@ def _rank_tile(r: int) -> int:
 
 def default_tiles(op: str, R: int) -> Tiles:
     """The tiles used when none are given: a fixed function of the op and the rank (measured at
-    8192 tokens on the H200, `benchmarks/lora_kernels.py`)."""
+    8192 tokens on the H200; ranks up to 48 at every shape of a Llama-3.2-1B and Llama-3.1-8B
+    update, `benchmarks/lora_kernels.py --sweep`)."""
     wide = _rank_tile(R) > 64
     if op == "project":
-        return Tiles(128, 32 if wide else 64)
+        return Tiles(128, 32) if wide else Tiles(128, 64, warps=8, stages=3)
     if op == "expand":
         return Tiles(64, 64 if wide else 128)
-    return Tiles(128, 32 if wide else 64)
+    return Tiles(128, 32) if wide else Tiles(64, 128, stages=3)
 
 
 def _parts(tiles: int, steps: int, split: int) -> tuple[int, int]:
@@ -151,7 +154,7 @@ def project(p: torch.Tensor, w: torch.Tensor, tiles: Tiles | None = None) -> tor
     if M:
         _project_kernel[(triton.cdiv(M, t.bm), split)](
             p, w, part, M, N, R, w.stride(0), w.stride(1), STEPS=per, BM=t.bm, BN=t.bn,
-            RP=_rank_tile(R), P_BF16=p.dtype == torch.bfloat16, TC=t.tc, num_warps=t.warps, num_stages=2)
+            RP=_rank_tile(R), P_BF16=p.dtype == torch.bfloat16, TC=t.tc, num_warps=t.warps, num_stages=t.stages)
     return sum_splits(part)
 
 
@@ -184,7 +187,7 @@ def reduce_tokens(p: torch.Tensor, q: torch.Tensor, tiles: Tiles | None = None) 
     if M:
         _reduce_tokens_kernel[(triton.cdiv(N, t.bn), split)](
             p, q, part, M, N, R, q.stride(0), STEPS=per, BM=t.bm, BN=t.bn, RP=_rank_tile(R),
-            P_BF16=p.dtype == torch.bfloat16, TC=t.tc, num_warps=t.warps, num_stages=2)
+            P_BF16=p.dtype == torch.bfloat16, TC=t.tc, num_warps=t.warps, num_stages=t.stages)
     return sum_splits(part)
 
 
@@ -192,48 +195,84 @@ def _stack(ts, dim):
     return ts[0] if len(ts) == 1 else torch.cat(ts, dim)
 
 
+def _operand_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype a frozen base multiplies x in: the autocast policy's, else x's own."""
+    dev = x.device.type
+    return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
+
+
 class _AdaptedProjections(torch.autograd.Function):
     """y_i = base_i(x) + (x @ A_i^T) @ B_i^T for frozen bases that read one x; gradients for x and
     every A_i and B_i.
 
-    The bases run on a detached x inside the forward, their autograd graph recorded when x needs
-    a gradient. The A_i are stacked: one project reads x once for all of them, one reduce over the
-    tokens makes all their gradients from one read of x, and one expand adds the stacked du @ A to
-    the bases' input gradient, taken through that graph. The graph's roots, the bases' outputs,
-    keep no data: a projection's backward reads its inputs only, so their storage is freed once
-    the deltas are added (the unfused path keeps no copy either)."""
+    A base whose product is a plain matrix product hands over its weight in the operand dtype
+    (`operand(dtype)`: a dense weight's cast, or a whole decoded NF4 weight); its output is x @ W^T
+    by cuBLAS, and in backward the bases' input gradients are one chain of products into one
+    buffer (dx = g_0 @ W_0, then dx += g_i @ W_i inside each next GEMM), so no pass adds them. A
+    weight is kept for backward when the base says so (`keeps_operand`: a cast, as autograd would
+    keep it), else made again there (a decode: one decoded matrix exists at a time). Any other
+    base runs on a detached x, its autograd graph recorded when x needs a gradient, and its input
+    gradient is added to the chain's; the graph's root keeps no data (a projection's backward
+    reads its inputs only).
+
+    The A_i are stacked: one project reads x once for all of them, one reduce over the tokens
+    makes all their gradients from one read of x, and one expand adds the stacked du @ A to the
+    bases' input gradient."""
 
     @staticmethod
     def forward(ctx, x2d, bases, track, *factors):
         a_s, b_s = factors[:len(bases)], factors[len(bases):]
-        with torch.enable_grad():
-            xb = x2d.detach().requires_grad_(track)
-            ys = [base(xb) for base in bases]                     # (M, out_i), fresh tensors
+        dtype = _operand_dtype(x2d)
+        xo = x2d.to(dtype)
+        ys, kept, ctx.graphs = [], [], []
+        for base in bases:
+            w = getattr(base, "operand", lambda _: None)(dtype)
+            if w is not None:
+                with torch.autocast(x2d.device.type, enabled=False):
+                    ys.append(torch.nn.functional.linear(xo, w))
+                kept.append(w if track and base.keeps_operand else None)
+                ctx.graphs.append(None)
+            else:
+                with torch.enable_grad():
+                    xb = x2d.detach().requires_grad_(track)
+                    ys.append(base(xb))                           # (M, out_i), a fresh tensor
+                kept.append(None)
+                ctx.graphs.append((xb, ys[-1]))
+            del w                                                 # before the next decode
         a = _stack(a_s, 0)                                        # (sum r_i, in)
         ctx.ranks = [t.shape[0] for t in a_s]
         u = project(x2d, a)                                       # (M, sum r_i) FP32
         outs = [expand(u_i, b, y.detach(), y.dtype) for u_i, b, y in zip(u.split(ctx.ranks, 1), b_s, ys)]
-        ctx.save_for_backward(x2d, a, u, *b_s)
-        ctx.graph = None
-        if track:
-            for y in ys:
-                y.untyped_storage().resize_(0)
-            ctx.graph = (xb, ys)
+        ctx.save_for_backward(x2d, a, u, *b_s, *(w for w in kept if w is not None))
+        ctx.kept = [w is not None for w in kept]
+        ctx.bases, ctx.dtype = bases, dtype
+        for graph in ctx.graphs:
+            if graph is not None and track:
+                graph[1].untyped_storage().resize_(0)
+        if not track:
+            ctx.graphs = [None] * len(bases)
         return tuple(outs)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, *gs):
-        x2d, a, u, *b_s = ctx.saved_tensors
-        n, needs = len(b_s), ctx.needs_input_grad
+        n, needs = len(gs), ctx.needs_input_grad
+        x2d, a, u, *rest = ctx.saved_tensors
+        b_s, kept = rest[:n], iter(rest[n:])
         gs = [g.contiguous() for g in gs]
         du = _stack([project(g, b.t()) for g, b in zip(gs, b_s)], 1)      # (M, sum r_i): g_i @ B_i
         dx = None
         if needs[0]:
-            xb, ys = ctx.graph
-            (dx_base,) = torch.autograd.grad(ys, xb, gs)
-            dx = expand(du, a.t(), dx_base.contiguous(), x2d.dtype)
-        ctx.graph = None
+            for base, g, has_w, graph in zip(ctx.bases, gs, ctx.kept, ctx.graphs):
+                if graph is not None:
+                    (d,) = torch.autograd.grad(graph[1], graph[0], g)
+                    dx = d if dx is None else dx.add_(d)
+                    continue
+                w = next(kept) if has_w else base.operand(ctx.dtype)
+                dx = g @ w if dx is None else dx.addmm_(g, w)
+                del w
+            dx = expand(du, a.t(), dx, x2d.dtype)
+        ctx.graphs = None
         da = [None] * n
         if any(needs[3:3 + n]):                                   # (r_i, in) = du_i^T x
             da = [d.t().contiguous() if need else None

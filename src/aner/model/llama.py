@@ -27,6 +27,8 @@ class Dense(nn.Module):
     handle), so whoever owns them decides what is trainable and where gradients land.
     """
 
+    keeps_operand = True   # its operand is a cast: kept for backward, as autocast's product keeps it
+
     def __init__(self, weight: torch.Tensor):
         super().__init__()
         self.weight = weight
@@ -35,34 +37,55 @@ class Dense(nn.Module):
         if not torch.is_autocast_enabled(x.device.type):
             return F.linear(x, self.weight.to(x.dtype))
         if self.weight.requires_grad:
-            return _TrainedProjection.apply(x, self.weight, torch.get_autocast_dtype(x.device.type))
+            return self.joint(x, (self,))[0]
         return F.linear(x, self.weight)  # autocast casts it (a no-op for a weight kept in that dtype)
+
+    @staticmethod
+    def joint(x, modules):
+        """The outputs of `modules` for one input x: trained weights under a low-precision policy
+        together (one chain of products makes the input gradient), otherwise each on its own."""
+        dev = x.device.type
+        if torch.is_autocast_enabled(dev) and all(m.weight.requires_grad for m in modules):
+            return _TrainedProjections.apply(x, torch.get_autocast_dtype(dev), *(m.weight for m in modules))
+        return tuple(m(x) for m in modules)
+
+    def operand(self, dtype):
+        """A frozen weight as a product's operand in `dtype` (the weight itself when stored in it);
+        None for a trained one."""
+        return None if self.weight.requires_grad else self.weight.to(dtype)
 
     def lookup(self, tokens):
         return F.embedding(tokens, self.weight)
 
 
-class _TrainedProjection(torch.autograd.Function):
-    """x @ W^T for a trained FP32 weight under a low-precision policy: the product in `dtype`
-    with FP32 accumulation, as autocast makes it, and the weight's gradient g^T x accumulated in
-    FP32 and written in FP32 by its GEMM (CUDA). Through autocast the gradient came out of the
-    GEMM rounded to `dtype`, transposed, and was then converted and made contiguous: two more
-    passes over every weight an update, and a rounding."""
+class _TrainedProjections(torch.autograd.Function):
+    """x @ W_i^T for trained FP32 weights that read one x, under a low-precision policy: each
+    product in `dtype` with FP32 accumulation, as autocast makes it; each weight's gradient
+    g_i^T x accumulated in FP32 and written in FP32 by its GEMM (CUDA); the input gradient one
+    chain of products into one buffer (dx = g_0 @ W_0, then dx += g_i @ W_i inside each next GEMM),
+    so no pass adds them. Through autocast the weight gradient came out of the GEMM rounded to
+    `dtype`, transposed, and was then converted and made contiguous: two more passes over every
+    weight an update, and a rounding."""
 
     @staticmethod
-    def forward(ctx, x, weight, dtype):
-        x, w = x.to(dtype), weight.to(dtype)
-        ctx.save_for_backward(x, w)
-        return F.linear(x, w)
+    def forward(ctx, x, dtype, *weights):
+        x, ws = x.to(dtype), [w.to(dtype) for w in weights]
+        ctx.save_for_backward(x, *ws)
+        return tuple(F.linear(x, w) for w in ws)
 
     @staticmethod
-    def backward(ctx, g):
-        x, w = ctx.saved_tensors
-        dx = g @ w if ctx.needs_input_grad[0] else None
-        dw = None
-        if ctx.needs_input_grad[1]:
-            dw = torch.mm(g.flatten(0, -2).t(), x.flatten(0, -2), out_dtype=torch.float32)
-        return dx, dw, None
+    def backward(ctx, *gs):
+        x, *ws = ctx.saved_tensors
+        x2d = x.flatten(0, -2)
+        g2d = [g.flatten(0, -2) for g in gs]
+        dx = None
+        if ctx.needs_input_grad[0]:
+            for g, w in zip(g2d, ws):
+                dx = g @ w if dx is None else dx.addmm_(g, w)
+            dx = dx.view(x.shape)
+        dws = [torch.mm(g.t(), x2d, out_dtype=torch.float32) if need else None
+               for g, need in zip(g2d, ctx.needs_input_grad[2:])]
+        return dx, None, *dws
 
 
 class RMSNorm(nn.Module):

@@ -25,6 +25,8 @@ from .nf4 import DEFAULT_TILE_BYTES, NF4Weight, nf4_linear
 class NF4Module(nn.Module):
     """A frozen NF4 weight (out, in) as a projection (x @ W^T) or an embedding table (rows of W)."""
 
+    keeps_operand = False   # a decoded operand is made again for backward: one exists at a time
+
     def __init__(self, weight: NF4Weight, tile_bytes: int = DEFAULT_TILE_BYTES, device_copy=None,
                  decoded: bool = False):
         super().__init__()
@@ -43,6 +45,14 @@ class NF4Module(nn.Module):
             x = x.to(torch.get_autocast_dtype(x.device.type))
         with torch.autocast(x.device.type, enabled=False):
             return fused_nf4_linear(x, self.device_copy, self.decoded)  # (..., in) -> (..., out), x's dtype
+
+    def operand(self, dtype: torch.dtype) -> torch.Tensor | None:
+        """The whole decoded weight in `dtype` as a product's operand, for the decoded kernel;
+        None for the others (their products decode inside)."""
+        if self.device_copy is None or not self.decoded:
+            return None
+        from ..kernels.nf4 import nf4_decode
+        return nf4_decode(self.device_copy, dtype)
 
     def lookup(self, tokens: torch.Tensor) -> torch.Tensor:
         if self.device_copy is None:
