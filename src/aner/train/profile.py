@@ -85,7 +85,7 @@ class Profile:
                               "device='cpu' use cuda_graphs=False")
         if self.cuda_graphs and storage != "float32" and self.nf4_kernel == "host_tiled":
             raise ConfigError("cuda_graphs=True cannot record nf4_kernel='host_tiled', which copies host "
-                              "tiles on every call; use nf4_kernel='fused' or cuda_graphs=False")
+                              "tiles on every call; use nf4_kernel='fused' or 'decoded', or cuda_graphs=False")
         for field, fallback in (("nf4_kernel", "host_tiled"), ("adapter_kernel", "torch"), ("layer_kernel", "torch")):
             value = getattr(self, field)
             if value == fallback:
