@@ -226,7 +226,7 @@ class _AdaptedProjections(torch.autograd.Function):
         xo = x2d.to(dtype)
         ys, kept, ctx.graphs = [], [], []
         for base in bases:
-            w = getattr(base, "operand", lambda _: None)(dtype)
+            w = base.operand(dtype)
             if w is not None:
                 with torch.autocast(x2d.device.type, enabled=False):
                     ys.append(torch.nn.functional.linear(xo, w))

@@ -141,8 +141,8 @@ def swiglu(gate, up):
 
 def shared_input(x, modules):
     """The outputs of projections that read the same x. A module type with `joint(x, modules)`
-    (the fused adapters) takes a group of its own kind together, reading x once; otherwise each
-    module runs on its own."""
+    (the fused adapters, trained dense weights) takes a group of its own kind together; otherwise
+    each module runs on its own."""
     kind = type(modules[0])
     if hasattr(kind, "joint") and all(type(m) is kind for m in modules):
         return kind.joint(x, modules)

@@ -40,8 +40,7 @@ def _chunk_head(head, profile):
     states' only. A packed head of the decoded NF4 kernels is decoded here, once, likewise: the
     bits each chunk's product would decode."""
     if isinstance(head, NF4Module) and head.decoded:
-        from ..kernels.nf4 import nf4_decode
-        return Dense(nf4_decode(head.device_copy, profile.compute_dtype))
+        return Dense(head.operand(profile.compute_dtype))
     w = getattr(head, "weight", None)
     fused = profile.layer_kernel == "fused"
     if type(head) is Dense and profile.precision != "float32" and (fused or not w.requires_grad):
