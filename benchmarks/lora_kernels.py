@@ -1,6 +1,6 @@
 """Fused low-rank adapter kernels against the same FP32 products written with torch ops, on a GPU.
 
-    PYTHONPATH=src python3 benchmarks/lora_kernels.py OUT.json [--sweep]
+    PYTHONPATH=src python3 benchmarks/lora_kernels.py OUT.json [--sweep [OP ...]]
 
 One adapter's forward and backward at the training shapes (8192 tokens, rank 16, BF16
 activations; Llama-3.2-1B's 2048 and 8192 widths): each op and tile variant is first checked on
@@ -10,10 +10,11 @@ add; autograd's FP32 GEMMs in backward). `floor_ms` is the op's bytes at 4.8 TB/
 
 --sweep: every op at every shape one update of Llama-3.2-1B or Llama-3.1-8B LoRA on all seven
 projections gives it (q, k, v and gate, up together), over a grid of tiles, warps and pipeline
-stages; compiled first in parallel processes, then checked and timed one at a time, each as a
-replayed CUDA graph over operand copies that do not fit in L2. Prints, per
-model and op, the per-update time of the default tiles, of the best single variant and of the
-best per shape.
+stages (OP ...: only those ops); compiled first in parallel processes, then checked and timed
+one at a time, each as a replayed CUDA graph over operand copies that do not fit in L2. expand
+is timed as training runs it around a GEMM base: writing the delta alone, which the base's GEMM
+then adds its product to. Prints, per model and op, the per-update time of the default tiles, of
+the best single variant and of the best per shape.
 """
 import datetime
 import itertools
@@ -82,10 +83,9 @@ def operands(op, N, R):
     if op == "project":
         return ((lambda t, i=0: L.project(ps[i], w, t)),
                 lambda: (p.double() @ w.double().t(), p.double().abs() @ w.double().abs().t()), p.numel() * 2)
-    if op == "expand":
-        return ((lambda t, i=0: L.expand(q, w.t(), ps[i], p.dtype, t)),
-                lambda: (p.double() + q.double() @ w.double(), p.double().abs() + q.double().abs() @ w.double().abs()),
-                2 * p.numel() * 2)
+    if op == "expand":                              # the delta alone, written in BF16
+        return ((lambda t, i=0: L.expand(q, w.t(), None, torch.bfloat16, t)),
+                lambda: (q.double() @ w.double(), q.double().abs() @ w.double().abs()), p.numel() * 2)
     return ((lambda t, i=0: L.reduce_tokens(ps[i], q, t)),
             lambda: (p.double().t() @ q.double(), p.double().abs().t() @ q.double().abs()), p.numel() * 2)
 
@@ -109,8 +109,8 @@ def _compile(job):
     return job[:3]
 
 
-def sweep(out):
-    shapes = sorted({k for widths in WIDTHS.values() for k in update_calls(*widths)})
+def sweep(out, ops):
+    shapes = sorted(k for k in {k for widths in WIDTHS.values() for k in update_calls(*widths)} if k[0] in ops)
     jobs = [(op, N, R, grid(op)[i::3]) for op, N, R in shapes for i in range(3)]
     with ProcessPoolExecutor(15, mp_context=torch.multiprocessing.get_context("spawn")) as pool:
         list(pool.map(_compile, jobs))
@@ -141,7 +141,7 @@ def sweep(out):
     for model, widths in WIDTHS.items():
         calls = update_calls(*widths)
         layers = {"llama-3.2-1b": 16, "llama-3.1-8b": 32}[model]
-        for op in ("project", "expand", "reduce_tokens"):
+        for op in ops:
             mine = {k: n * layers for k, n in calls.items() if k[0] == op}
             ok = [r for r in rows if (r["op"], r["N"], r["R"]) in mine and r.get("ok")]
             total = lambda rs: sum(r["ms"] * mine[r["op"], r["N"], r["R"]] for r in rs)  # noqa: E731
@@ -160,7 +160,7 @@ def sweep(out):
 
 def main():
     if "--sweep" in sys.argv:
-        return sweep(sys.argv[1])
+        return sweep(sys.argv[1], sys.argv[sys.argv.index("--sweep") + 1:] or ["project", "expand", "reduce_tokens"])
     out = sys.argv[1]
     dev = "cuda"
     torch.backends.cuda.matmul.allow_tf32 = False

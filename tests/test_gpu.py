@@ -260,7 +260,7 @@ def fused_against_torch_ops(tiny_path, data, method, precision, choice):
 @pytest.mark.parametrize("precision", ["float32", "bfloat16"])
 def test_fused_adapters_agree_with_torch_ops(tiny_path, data, method, precision):
     """adapter_kernel='fused' trains what the torch ops train, up to FP32 summation order (and,
-    under BF16, one rounding of base + delta instead of two), and repeats its own bits."""
+    under BF16, the roundings of a base's GEMM and of the delta), and repeats its own bits."""
     a, ref = fused_against_torch_ops(tiny_path, data, method, precision, "adapter_kernel")
     if precision == "float32":
         # Under BF16 a gradient entry near zero may change sign with the rounding of the sum,

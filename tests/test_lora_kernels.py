@@ -42,8 +42,8 @@ def frozen_base(n_in, n_out):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "x".join(map(str, c)))
 def test_forward_and_gradients(case, dtype):
-    """Around a frozen base: the delta is added to the base's own output, and du @ A to the base's
-    own input gradient, each sum in FP32 and rounded once."""
+    """Around a frozen base: the delta rounded to x's dtype, then the base's GEMM adds its product
+    to it in FP32 and rounds the sum once; the same for du @ A and the base's input gradient."""
     M, n_in, n_out, r = case
     base = frozen_base(n_in, n_out)
     x = torch.randn(M, n_in, device=DEV).to(dtype)
@@ -53,25 +53,23 @@ def test_forward_and_gradients(case, dtype):
     out = L.adapted_projection(base, *leaves)
     out.backward(g)
     assert out.dtype == dtype and [t.grad.dtype for t in leaves] == [dtype, torch.float32, torch.float32]
-    xb = x.clone().requires_grad_(True)
-    yb = base(xb)
-    (dxb,) = torch.autograd.grad(yb, xb, g)
-
-    xd, ad, bd, gd, yd, dxd = (t.double() for t in (x, a, b, g, yb.detach(), dxb))
+    xd, ad, bd, gd = (t.double() for t in (x, a, b, g))
+    wd = base.weight.to(dtype).double()                      # the base's operand
     u, du = xd @ ad.t(), gd @ bd
     au, adu = xd.abs() @ ad.abs().t(), gd.abs() @ bd.abs()
-    close(out, yd + u @ bd.t(), yd.abs() + au @ bd.abs().t(), dtype)
-    close(leaves[0].grad, dxd + du @ ad, dxd.abs() + adu @ ad.abs(), dtype)
+    delta, ddx = u @ bd.t(), du @ ad
+    close(out, xd @ wd.t() + delta, xd.abs() @ wd.abs().t() + au @ bd.abs().t(), dtype, EPS[dtype] * delta.abs())
+    close(leaves[0].grad, gd @ wd + ddx, gd.abs() @ wd.abs() + adu @ ad.abs(), dtype, EPS[dtype] * ddx.abs())
     close(leaves[1].grad, du.t() @ xd, adu.t() @ xd.abs(), torch.float32)
     close(leaves[2].grad, gd.t() @ u, gd.abs().t() @ au, torch.float32)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_projections_of_one_input_together(dtype):
-    """Projections that read one x (q, k, v): one project over the stacked A's, one expand adding
-    the stacked du @ A to the bases' summed input gradient, one reduce for every A's gradient;
-    each output and gradient as each adapter's own, to FP32 accuracy. The bases' input gradients
-    are one chain of products in x's dtype: one rounding of the running sum per base."""
+    """Projections that read one x (q, k, v): one project over the stacked A's, one expand writing
+    the stacked du @ A, one reduce for every A's gradient; each output and gradient as each
+    adapter's own, to FP32 accuracy. The bases' input gradients are one chain of products onto
+    du @ A in x's dtype: one rounding of the running sum per base."""
     M, n_in = (300, 192) if not INTERPRET else (37, 100)
     shapes = [(96, 16), (24, 16), (50, 3)]                    # (out, rank): unequal ranks and outputs
     bases = [frozen_base(n_in, n) for n, _ in shapes]
@@ -81,21 +79,22 @@ def test_projections_of_one_input_together(dtype):
     g_s = [torch.randn(M, n, device=DEV).to(dtype) for n, _ in shapes]
     outs = L.adapted_projections(bases, x, a_s, b_s)
     torch.autograd.backward(outs, g_s)
-    ys = [base(x.detach()) for base in bases]
     ws = [base.weight.to(dtype).double() for base in bases]  # the bases' operands
     xd = x.detach().double()
     dxd = sum(g.double() @ w for g, w in zip(g_s, ws))
-    chain = sum(g.double().abs() @ w.abs() for g, w in zip(g_s, ws))
-    dx_scale = dxd.abs()
-    for a, b, g, y, out in zip(a_s, b_s, g_s, ys, outs):
-        ad, bd, gd, yd = (t.detach().double() for t in (a, b, g, y))
+    dx_scale = sum(g.double().abs() @ w.abs() for g, w in zip(g_s, ws))
+    ddx, ddx_scale = 0, 0
+    for a, b, g, w, out in zip(a_s, b_s, g_s, ws, outs):
+        ad, bd, gd = (t.detach().double() for t in (a, b, g))
         u, du = xd @ ad.t(), gd @ bd
         au, adu = xd.abs() @ ad.abs().t(), gd.abs() @ bd.abs()
-        close(out, yd + u @ bd.t(), yd.abs() + au @ bd.abs().t(), dtype)
+        delta = u @ bd.t()
+        close(out, xd @ w.t() + delta, xd.abs() @ w.abs().t() + au @ bd.abs().t(), dtype, EPS[dtype] * delta.abs())
         close(a.grad, du.t() @ xd, adu.t() @ xd.abs(), torch.float32)
         close(b.grad, gd.t() @ u, gd.abs().t() @ au, torch.float32)
-        dxd, dx_scale = dxd + du @ ad, dx_scale + adu @ ad.abs()
-    close(x.grad, dxd, dx_scale, dtype, len(bases) * EPS[dtype] * chain)
+        ddx, ddx_scale = ddx + du @ ad, ddx_scale + adu @ ad.abs()
+    # du @ A rounded, then one rounding of the running sum per base
+    close(x.grad, dxd + ddx, dx_scale + ddx_scale, dtype, EPS[dtype] * ((len(bases) + 1) * ddx.abs() + len(bases) * dx_scale))
 
 
 def test_deterministic_with_a_frozen_factor():

@@ -11,11 +11,15 @@ for 2 * r multiply-adds of work. Here three kernels cover forward and backward:
     expand         base + (M, r) @ W^T -> (M, N)  y = y_base + u @ B^T;  dx = dx_base + du @ A
     reduce_tokens  (M, N)^T @ (M, r) -> (N, r)  dB = g^T @ u;  dA^T = x^T @ du
 
-The frozen base projection runs inside (`adapted_projection`): its output is the base that
-expand adds the delta to, and in backward its own input gradient is the base that expand adds
-du @ A to, so the input gradient's sum is no pass of its own and is rounded once. Projections
-that read one input (q, k, v; gate, up) go together (`adapted_projections`): their A's stacked,
-x is read once by project and once by reduce_tokens, and one expand writes the input gradient.
+The frozen base projection runs inside (`adapted_projection`). When it is a GEMM (a dense or
+decoded weight), expand writes the delta rounded to x's dtype and the base's GEMM adds its own
+product to it in FP32 (beta = 1: the GEMM reads it in its epilogue), rounding the sum once; in
+backward expand writes du @ A and the bases' input-gradient GEMMs add onto it. No pass reads a
+base's output again, and the delta's rounding is relative to the delta, not to the base's
+product. Any other base's output is read by expand, which adds the delta to it in FP32 and rounds
+once. Projections that read one input (q, k, v; gate, up) go together (`adapted_projections`):
+their A's stacked, x is read once by project and once by reduce_tokens, and one expand writes
+du @ A for the input gradient.
 
 Each reads its (M, N) operand once in its own dtype (FP32, FP16 or BF16) and computes its
 products to FP32 accuracy, as the adapter policy requires: on the tensor cores through exact BF16
@@ -206,49 +210,50 @@ class _AdaptedProjections(torch.autograd.Function):
     every A_i and B_i.
 
     A base whose product is a plain matrix product hands over its weight in the operand dtype
-    (`operand(dtype)`: a dense weight's cast, or a whole decoded NF4 weight); its output is x @ W^T
-    by cuBLAS, and in backward the bases' input gradients are one chain of products into one
-    buffer (dx = g_0 @ W_0, then dx += g_i @ W_i inside each next GEMM), so no pass adds them. A
-    weight is kept for backward when the base says so (`keeps_operand`: a cast, as autograd would
-    keep it), else made again there (a decode: one decoded matrix exists at a time). Any other
+    (`operand(dtype)`: a dense weight's cast, or a whole decoded NF4 weight); its output is
+    delta + x @ W^T, one cuBLAS GEMM onto expand's delta, and in backward the bases' input
+    gradients are one chain of products into one buffer (dx = du @ A, then dx += g_i @ W_i inside
+    each GEMM; with x in another dtype or another kind of base, du @ A is added last), so no pass
+    adds them. A weight is kept for backward when the base says so (`keeps_operand`: a cast, as
+    autograd would keep it), else made again there (a decode: one decoded matrix exists at a
+    time). Any other
     base runs on a detached x, its autograd graph recorded when x needs a gradient, and its input
     gradient is added to the chain's; the graph's root keeps no data (a projection's backward
     reads its inputs only).
 
     The A_i are stacked: one project reads x once for all of them, one reduce over the tokens
-    makes all their gradients from one read of x, and one expand adds the stacked du @ A to the
-    bases' input gradient."""
+    makes all their gradients from one read of x, and one expand makes the stacked du @ A."""
 
     @staticmethod
     def forward(ctx, x2d, bases, track, *factors):
         a_s, b_s = factors[:len(bases)], factors[len(bases):]
         dtype = _operand_dtype(x2d)
         xo = x2d.to(dtype)
-        ys, kept, ctx.graphs = [], [], []
-        for base in bases:
+        a = _stack(a_s, 0)                                        # (sum r_i, in)
+        ctx.ranks = [t.shape[0] for t in a_s]
+        u = project(x2d, a)                                       # (M, sum r_i) FP32
+        outs, kept, ctx.graphs = [], [], []
+        for base, u_i, b in zip(bases, u.split(ctx.ranks, 1), b_s):
             w = base.operand(dtype)
             if w is not None:
+                out = expand(u_i, b, None, dtype)                 # the delta; the GEMM adds x @ W^T
                 with torch.autocast(x2d.device.type, enabled=False):
-                    ys.append(torch.nn.functional.linear(xo, w))
+                    outs.append(out.addmm_(xo, w.t()))
                 kept.append(w if track and base.keeps_operand else None)
                 ctx.graphs.append(None)
             else:
                 with torch.enable_grad():
                     xb = x2d.detach().requires_grad_(track)
-                    ys.append(base(xb))                           # (M, out_i), a fresh tensor
+                    y = base(xb)                                  # (M, out_i), a fresh tensor
+                outs.append(expand(u_i, b, y.detach(), y.dtype))
                 kept.append(None)
-                ctx.graphs.append((xb, ys[-1]))
+                ctx.graphs.append((xb, y))
+                if track:
+                    y.untyped_storage().resize_(0)
             del w                                                 # before the next decode
-        a = _stack(a_s, 0)                                        # (sum r_i, in)
-        ctx.ranks = [t.shape[0] for t in a_s]
-        u = project(x2d, a)                                       # (M, sum r_i) FP32
-        outs = [expand(u_i, b, y.detach(), y.dtype) for u_i, b, y in zip(u.split(ctx.ranks, 1), b_s, ys)]
         ctx.save_for_backward(x2d, a, u, *b_s, *(w for w in kept if w is not None))
         ctx.kept = [w is not None for w in kept]
         ctx.bases, ctx.dtype = bases, dtype
-        for graph in ctx.graphs:
-            if graph is not None and track:
-                graph[1].untyped_storage().resize_(0)
         if not track:
             ctx.graphs = [None] * len(bases)
         return tuple(outs)
@@ -263,6 +268,10 @@ class _AdaptedProjections(torch.autograd.Function):
         du = _stack([project(g, b.t()) for g, b in zip(gs, b_s)], 1)      # (M, sum r_i): g_i @ B_i
         dx = None
         if needs[0]:
+            # du @ A first when every base is a GEMM in x's dtype: each GEMM of the chain adds onto it
+            first = x2d.dtype == ctx.dtype and all(graph is None for graph in ctx.graphs)
+            if first:
+                dx = expand(du, a.t(), None, x2d.dtype)
             for base, g, has_w, graph in zip(ctx.bases, gs, ctx.kept, ctx.graphs):
                 if graph is not None:
                     (d,) = torch.autograd.grad(graph[1], graph[0], g)
@@ -271,7 +280,8 @@ class _AdaptedProjections(torch.autograd.Function):
                 w = next(kept) if has_w else base.operand(ctx.dtype)
                 dx = g @ w if dx is None else dx.addmm_(g, w)
                 del w
-            dx = expand(du, a.t(), dx, x2d.dtype)
+            if not first:
+                dx = expand(du, a.t(), dx, x2d.dtype)
         ctx.graphs = None
         da = [None] * n
         if any(needs[3:3 + n]):                                   # (r_i, in) = du_i^T x
