@@ -8,7 +8,7 @@ it, and backward does the same in reverse: about 16 bytes of traffic per output 
 for 2 * r multiply-adds of work. Here three kernels cover forward and backward:
 
     project        (M, N) @ W^T -> (M, r)       u = x @ A^T;  du = g @ B
-    expand         base + (M, r) @ W^T -> (M, N)  y = y_base + u @ B^T;  dx = dx_base + du @ A
+    expand         (base +) (M, r) @ W^T -> (M, N)  delta = u @ B^T;  du @ A (each + a base's own, or not)
     reduce_tokens  (M, N)^T @ (M, r) -> (N, r)  dB = g^T @ u;  dA^T = x^T @ du
 
 The frozen base projection runs inside (`adapted_projection`). When it is a GEMM (a dense or

@@ -8,9 +8,9 @@
                                               (`kernels/nf4.py`)
     adapter_kernel torch | fused              how an adapter's rank-r products run on a GPU:
                                               torch ops, or Triton kernels that never write
-                                              the (tokens, out) FP32 delta and add the base's
-                                              output and input gradient in the same pass
-                                              (`kernels/lora.py`)
+                                              the (tokens, out) FP32 delta; around a GEMM
+                                              base its GEMM adds onto the delta, forward and
+                                              backward (`kernels/lora.py`)
     page_bytes 4 KiB .. 64 MiB, 4096-aligned  the paged optimizer's chunk per moment
     cuda_graphs false | true                  replay each micro-batch shape's recorded kernels
                                               (`graphs.py`): the same bits, without the host's
