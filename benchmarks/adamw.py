@@ -3,11 +3,13 @@
     python benchmarks/adamw.py OUT.json [--device cpu|cuda:0] [--models smollm2-135m ...] [--updates N]
 
 Every weight of a model of the real shape (`throughput.MODELS`) is trainable, with a fixed random
-gradient. Three optimizers update their own copy: ours (`aner.train.optim.AdamW`), and the peer's
-two settings, torch.optim.AdamW with foreach=True (the multi-tensor ops; ours before it used the
-fused kernel) and with fused=True. Each warms up with one update, then N timed updates (device
+gradient. Each optimizer updates its own copy: ours (`aner.train.optim.AdamW`: on CUDA our
+kernel, on the CPU torch's fused one), and the peer's two settings, torch.optim.AdamW with
+foreach=True (the multi-tensor ops) and with fused=True; ours and fused=True again with a
+clipping divisor (1.0: the gradients stay what they are, the division is still made; torch's
+kernel then writes them back). Each warms up with one update, then N timed updates (device
 synchronised); the record gives the median seconds per update, the ratios, and whether ours
-equals fused=True bit for bit after all updates (it must: the same kernel).
+equals fused=True bit for bit after all updates, in both settings.
 """
 import argparse
 import datetime
@@ -49,30 +51,37 @@ def measure(model: str, device: str, n: int) -> dict:
     g = torch.Generator(device=device).manual_seed(0)
     made = [(torch.randn(s, device=device, generator=g), torch.randn(s, device=device, generator=g))
             for s in shapes(model)]
-    ours = {f"w{i}": p.clone() for i, (p, _) in enumerate(made)}
     grads = {f"w{i}": gr for i, (_, gr) in enumerate(made)}
-    adamw = AdamW(RATE, weight_decay=DECAY)
-    moments, t = adamw.init_moments(ours), [0]
+    adamw, one = AdamW(RATE, weight_decay=DECAY), torch.ones((), device=device)
+    seconds, ours, peers = {}, {}, {}
+    for divided in (False, True):
+        params = {f"w{i}": p.clone() for i, (p, _) in enumerate(made)}
+        moments, t = adamw.init_moments(params), [0]
 
-    def step_ours():
-        t[0] += 1
-        adamw.step(ours, grads, moments, t[0])
+        def step_ours():
+            t[0] += 1
+            adamw.step(params, grads, moments, t[0], one if divided else None)
 
-    seconds, peers = {"ours": timed(step_ours, device, n)}, {}
-    for setting in ("foreach", "fused"):
+        seconds["ours" + "_divided" * divided] = timed(step_ours, device, n)
+        ours[divided] = params
+    for setting, divided in (("foreach", False), ("fused", False), ("fused", True)):
         params = [p.clone().requires_grad_(True) for p, _ in made]
         for p, (_, gr) in zip(params, made):
-            p.grad = gr
+            p.grad = gr.clone()
         opt = torch.optim.AdamW(params, lr=RATE, weight_decay=DECAY, **{setting: True})
-        seconds[setting] = timed(opt.step, device, n)
-        peers[setting] = params
-    equal = all(torch.equal(ours[f"w{i}"], p.detach()) for i, p in enumerate(peers["fused"]))
+        if divided:
+            opt.grad_scale = one                      # what GradScaler hands a fused optimizer
+        seconds[setting + "_divided" * divided] = timed(opt.step, device, n)
+        peers[setting, divided] = params
+    equal = {d: all(torch.equal(ours[d][f"w{i}"], p.detach()) for i, p in enumerate(peers["fused", d]))
+             for d in (False, True)}
     median = {k: statistics.median(v) for k, v in seconds.items()}
-    return {"model": model, "parameters": sum(p.numel() for p in ours.values()),
+    return {"model": model, "parameters": sum(p.numel() for p in ours[False].values()),
             "seconds_per_update": median, "all_seconds": seconds,
             "foreach_over_ours": median["foreach"] / median["ours"],
             "fused_over_ours": median["fused"] / median["ours"],
-            "ours_equals_fused_bitwise": equal}
+            "fused_divided_over_ours_divided": median["fused_divided"] / median["ours_divided"],
+            "ours_equals_fused_bitwise": equal[False], "ours_divided_equals_fused_divided_bitwise": equal[True]}
 
 
 def main():
@@ -90,8 +99,11 @@ def main():
               "rate": RATE, "weight_decay": DECAY, "timed_updates": args.updates, "rows": rows}
     args.out.write_text(json.dumps(record, indent=1) + "\n")
     for r in rows:
-        print(f"{r['model']}: ours {r['seconds_per_update']['ours'] * 1e3:.1f} ms, foreach x{r['foreach_over_ours']:.2f}, "
-              f"fused x{r['fused_over_ours']:.2f}, equal to fused: {r['ours_equals_fused_bitwise']}")
+        ms = {k: v * 1e3 for k, v in r["seconds_per_update"].items()}
+        print(f"{r['model']}: ours {ms['ours']:.2f} ms, divided {ms['ours_divided']:.2f}; foreach "
+              f"x{r['foreach_over_ours']:.2f}, fused x{r['fused_over_ours']:.2f}, fused divided "
+              f"x{r['fused_divided_over_ours_divided']:.2f}; equal to fused: {r['ours_equals_fused_bitwise']}, "
+              f"divided: {r['ours_divided_equals_fused_divided_bitwise']}")
 
 
 if __name__ == "__main__":

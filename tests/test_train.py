@@ -349,7 +349,7 @@ def test_adamw_is_torch_fused_adamw_bitwise_and_pages_change_no_bit():
 def test_clipping_divides_by_the_float64_global_norm_inside_adamw():
     """The divisor is (norm + 1e-6) / clip_norm over the float64 global norm, exactly 1 at or
     below it, none for clip_norm 0; AdamW given it updates as on the gradients divided first
-    (IEEE FP32 division), bit for bit, and leaves the gradients so divided."""
+    (IEEE FP32 division), bit for bit."""
     from aner.train.optim import AdamW, clip_divisor
     grads = {"x": torch.randn(10, 3) * 5, "y": torch.randn(17) * 5}
     norm = float(torch.cat([g.double().flatten() for g in grads.values()]).norm())
@@ -366,7 +366,7 @@ def test_clipping_divides_by_the_float64_global_norm_inside_adamw():
     adamw.step(params, grads, moments, 1, divisor)
     adamw.step(ref, divided, ref_moments, 1)
     for k in grads:
-        assert torch.equal(params[k], ref[k]) and torch.equal(grads[k], divided[k])
+        assert torch.equal(params[k], ref[k])
         assert all(torch.equal(a, b) for a, b in zip(moments[k], ref_moments[k]))
 
 

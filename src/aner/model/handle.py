@@ -354,7 +354,7 @@ class PretrainedModel:
         casts = 0 if itemsize == 4 else sum(w.numel() * itemsize for w in self._weights.values()
                                             if isinstance(w, torch.Tensor) and w.dim() == 2)
         return casts + activation_bytes(self._source.config, micro_batch, context, self._device, itemsize,
-                                        p.layer_kernel == "fused")
+                                        p.layer_kernel == "fused", self._method is None)
 
     def _training_bytes(self, micro_batch: int, context: int) -> int:
         """The estimate that training is admitted by: tensors, two gradient sets (a micro-batch's

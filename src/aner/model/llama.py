@@ -199,14 +199,16 @@ class Llama(nn.Module):
     def head(self) -> nn.Module:
         return self.tok_embd if self.output is None else self.output
 
-    def hidden(self, tokens):
+    def hidden(self, tokens, x=None):
+        """The final norm's output (B, T, D) for `tokens`; `x`: their embedding rows in FP32, when
+        the caller has looked them up itself (to take their gradient instead of the table's)."""
         T = tokens.shape[1]
         if T > self.config.context_length:
             raise ValueError(f"sequence of {T} tokens exceeds the context of {self.config.context_length}")
         if (T, tokens.device) not in self.rope:
             self.rope[T, tokens.device] = rope_tables(self.config, T, tokens.device)
         cos, sin = self.rope[T, tokens.device]
-        x, y = self.tok_embd.lookup(tokens).float(), None   # (B, T, D)
+        x, y = (self.tok_embd.lookup(tokens).float() if x is None else x), None   # (B, T, D)
         for layer in self.layers:
             x, y = layer(x, y, cos, sin)
         return self.output_norm.add(x, y)[0]                 # (B, T, D)

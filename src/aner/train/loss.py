@@ -12,10 +12,10 @@ window's scored tokens), or the FP16 loss scale, which therefore reaches the hea
 low-precision backward as before. As a tensor it can change between replays of a recorded CUDA
 graph (`graphs.py`). Unscored positions carry the ignore index: their terms and gradients are
 exactly zero, with no host synchronisation and no gather. Chunk boundaries depend only on the
-vocabulary size and the profile, so results are a pure function of the inputs. With
-layer_kernel="fused" one kernel makes a chunk's loss and its logits' gradient, which overwrites
-the logits in their own dtype: no FP32 copy exists, and a chunk holds twice the positions under
-FP16/BF16.
+model's shape, whether its head is trained and the profile, so results are a pure function of
+the inputs. With layer_kernel="fused" one kernel makes a chunk's loss and its logits' gradient,
+which overwrites the logits in their own dtype: no FP32 copy exists, and a chunk holds twice the
+positions under FP16/BF16 (and a trained head's chunk as many bytes as its weight gradient).
 """
 import torch
 import torch.nn.functional as F
@@ -27,10 +27,13 @@ IGNORE = -100                  # target index of unscored positions
 CHUNK_BYTES = 256 << 20        # logits of one chunk: at most 256 MiB (at least one position)
 
 
-def chunk_positions(vocab: int, itemsize: int = 4) -> int:
+def chunk_positions(vocab: int, itemsize: int = 4, trained_dim: int = 0) -> int:
     """Positions per chunk: FP32 logits (itemsize 4), or with the fused cross-entropy the
-    logits in the operand dtype, which its gradient then overwrites."""
-    return max(1, CHUNK_BYTES // (itemsize * vocab))
+    logits in the operand dtype, which its gradient then overwrites. There a trained head's
+    FP32 weight gradient (vocab x `trained_dim`) is read and written by every chunk's product but
+    the first, so a chunk may hold as many bytes of logits as that gradient holds: the
+    accumulation then moves no more bytes than the logits it sums."""
+    return max(1, CHUNK_BYTES // (itemsize * vocab), 4 * trained_dim // itemsize)
 
 
 def _chunk_head(head, profile):
@@ -96,34 +99,47 @@ def summed_loss(model, examples, device, profile) -> torch.Tensor:
 def gradients(model, leaves: list, profile, inputs, targets, scale: torch.Tensor):
     """One micro-batch (inputs, targets) from `batch`: (loss, grads), the FP32 summed cross-entropy
     (detached) and the gradients of scale x loss with respect to `leaves`, in their order."""
+    head, fused = model.head(), profile.layer_kernel == "fused"
+    weights = _trainable(head)
+    # A trained head tied to the embedding: the rows looked up are a leaf of their own, and their
+    # gradient is added into the head's below, row by row, instead of a dense (V, D) gradient of
+    # the table that is then added to the head's whole.
+    tied = bool(weights) and head is model.tok_embd
+    rows = model.tok_embd.lookup(inputs).float().detach().requires_grad_(True) if tied else None
     with profile.autocast(inputs.device.type):
-        h = model.hidden(inputs).flatten(0, 1)                # (N, D), FP32 (the operand dtype: fused norm)
-        head, fused = model.head(), profile.layer_kernel == "fused"
+        h = model.hidden(inputs, rows).flatten(0, 1)          # (N, D), FP32 (the operand dtype: fused norm)
         itemsize = profile.compute_dtype.itemsize if fused else 4
-        step = chunk_positions(model.config.vocab_size, itemsize)
-        weights = _trainable(head)
+        step = chunk_positions(model.config.vocab_size, itemsize, model.config.dim if fused and weights else 0)
         objective, loss, *head_grads = _HeadLoss.apply(h, targets.flatten(), _chunk_head(head, profile), step,
                                                        scale, fused, weights)
     # The head's gradients join their leaves here: unused elsewhere, or a tied embedding's.
-    grads = list(torch.autograd.grad(objective, leaves, allow_unused=bool(weights)))
+    grads = list(torch.autograd.grad(objective, leaves + ([rows] if rows is not None else []),
+                                     allow_unused=bool(weights)))
+    if rows is not None:
+        head_grads[0].index_put_((inputs.flatten(),), grads.pop().flatten(0, 1), accumulate=True)
     for w, gw in zip(weights, head_grads):
         i = next(i for i, leaf in enumerate(leaves) if leaf is w)
         grads[i] = gw if grads[i] is None else grads[i].add_(gw)
     return loss, grads
 
 
-def _fused_chunk(head, hc, targets, scale, grad_w):
+def _fused_chunk(head, hc, targets, scale, grad_w, first):
     """The chunk's summed loss and the gradient of scale x it with respect to hc; the logits'
     gradient is made by one kernel (`kernels/cross_entropy.py`) in the logits' dtype, as the
     cast's backward gave it, and overwrites the logits: no head's backward reads its own output.
-    A trained head's weight gradient, dlogits^T hc, accumulates into its FP32 sum in `grad_w`
-    inside the GEMM (FP32 output, beta 1): no per-chunk low-precision copy, cast or add."""
+    A trained head's weight gradient, dlogits^T hc, is written by the first chunk's GEMM (FP32
+    output) and accumulates into that FP32 sum in `grad_w` inside each later one's (beta 1): no
+    per-chunk low-precision copy, cast or add, and no zeros read."""
     from ..kernels.cross_entropy import cross_entropy_grad
     logits = head(hc)                                         # (chunk, V), the operand dtype
     loss, dlogits = cross_entropy_grad(logits.detach(), targets, scale, IGNORE, out=logits.detach())
     (grad_h,) = torch.autograd.grad(logits, [hc], dlogits)
     for acc in grad_w:
-        torch.addmm(acc, dlogits.T, hc.detach().to(dlogits.dtype), out_dtype=torch.float32, out=acc)
+        x = hc.detach().to(dlogits.dtype)
+        if first:
+            torch.mm(dlogits.T, x, out_dtype=torch.float32, out=acc)
+        else:
+            torch.addmm(acc, dlogits.T, x, out_dtype=torch.float32, out=acc)
     return loss, grad_h
 
 
@@ -136,13 +152,13 @@ class _HeadLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h, targets, head, step, scale, fused, weights):
         grad_h = torch.empty_like(h)
-        grad_w = [torch.zeros_like(w) for w in weights]
+        grad_w = [(torch.empty_like if fused else torch.zeros_like)(w) for w in weights]
         total = torch.zeros((), device=h.device)
         for s in range(0, h.shape[0], step):
             with torch.enable_grad():
                 hc = h[s:s + step].detach().requires_grad_(True)
                 if fused:
-                    loss, g = _fused_chunk(head, hc, targets[s:s + step], scale, grad_w)
+                    loss, g = _fused_chunk(head, hc, targets[s:s + step], scale, grad_w, s == 0)
                     grad_h[s:s + step] = g
                 else:
                     loss = _cross_entropy(head, hc, targets[s:s + step])

@@ -63,7 +63,7 @@ class MemorySummary:
 
 
 def activation_bytes(config, micro_batch: int, tokens: int, device: str = "cpu", itemsize: int = 4,
-                     fused_layers: bool = False) -> int:
+                     fused_layers: bool = False, trained_head: bool = False) -> int:
     """Conservative activations kept for backward over one micro-batch of `tokens` positions, for
     products in a dtype of `itemsize` bytes (4 under the FP32 policy, 2 under FP16/BF16).
 
@@ -73,7 +73,8 @@ def activation_bytes(config, micro_batch: int, tokens: int, device: str = "cpu",
     and its copy) and 4 feed-forward sized (gate, up, activation, product); on the CPU, the
     attention probabilities (H x T x T) in FP32, where CUDA's fused attention kernels keep one
     log-sum-exp per row and head instead. Plus one chunk of FP32 logits over the vocabulary with
-    its softmax and gradient (train/loss.py), and the hidden states' gradient the chunked loss
+    its softmax and gradient (train/loss.py), or the fused loss's larger chunk for a trained head
+    in the operand dtype where that is more, and the hidden states' gradient the chunked loss
     keeps. With the torch norms under the FP32 policy: 10 width-sized and 4 feed-forward sized FP32
     tensors, as before the operand dtype was counted.
     """
@@ -82,5 +83,8 @@ def activation_bytes(config, micro_batch: int, tokens: int, device: str = "cpu",
     fp32_width = 2 if fused_layers else 4
     attention = c.n_head * tokens if device == "cpu" else c.n_head
     per_layer = tokens * (4 * (fp32_width * c.dim + attention) + itemsize * (6 * c.dim + 4 * c.ffn_dim))
-    logits = 3 * min(micro_batch * tokens, chunk_positions(c.vocab_size)) * c.vocab_size
-    return micro_batch * (c.n_layer * per_layer + 4 * tokens * c.dim) + 4 * logits
+    positions = micro_batch * tokens
+    logits = 4 * 3 * min(positions, chunk_positions(c.vocab_size)) * c.vocab_size
+    if fused_layers and trained_head:
+        logits = max(logits, itemsize * c.vocab_size * min(positions, chunk_positions(c.vocab_size, itemsize, c.dim)))
+    return micro_batch * (c.n_layer * per_layer + 4 * tokens * c.dim) + logits

@@ -1,15 +1,17 @@
-"""AdamW on FP32 masters and FP32 moments: torch.optim.AdamW(fused=True)'s update, by its kernel.
+"""AdamW on FP32 masters and FP32 moments: torch.optim.AdamW(fused=True)'s update.
 
     m = b1 m + (1 - b1) g;  v = b2 v + (1 - b2) g^2
     p = p (1 - lr wd) - (lr / (1 - b1^t)) m / (sqrt(v) / sqrt(1 - b2^t) + eps)
 
-`torch._fused_adamw_` reads each parameter, gradient and moment once and writes parameter and
-moments once: one pass where the equivalent multi-tensor ops make eight, in one multi-tensor
-launch on CUDA and one threaded loop on the CPU. Every element sees the same operations whatever
-the list of tensors, its order or the thread count; a tensor may be updated in slices that start
-at multiples of 1024 elements (the paged optimizer's pages) with the same bits. (On the CPU a
-slice starting elsewhere moves an element between the vector loop and its scalar tail, which
-rounds v differently; nothing here slices that way.)
+One pass reads each parameter, gradient and moment once and writes parameter and moments once,
+where the equivalent multi-tensor ops make eight: on CUDA our kernel (`kernels/adamw.py`, one
+launch for the whole list, the bits of torch's fused kernel, the gradients only read), on the CPU
+`torch._fused_adamw_` (one threaded loop; given a divisor it also writes the divided gradients
+back). Every element sees the same operations whatever the list of tensors, its order or the
+thread count; a tensor may be updated in slices that start at multiples of 1024 elements (the
+paged optimizer's pages) with the same bits. (On the CPU a slice starting elsewhere moves an
+element between the vector loop and its scalar tail, which rounds v differently; nothing here
+slices that way.)
 """
 from dataclasses import dataclass
 
@@ -28,14 +30,19 @@ class AdamW:
         """One AdamW update of (slices of) parameters and their moments, in place; t is the update
         number (1-based) as a 0-dim FP32 tensor on their device (`step_count`). `divisor` (a 0-dim
         FP32 tensor there, from `clip_divisor`, or None): each gradient is divided by it as it is
-        read (IEEE FP32 division) and written back so divided. The kernel walks flat memory:
-        parameters and moments must be contiguous, and gradients are made so (an adapter factor's
-        gradient is often a transposed view)."""
+        read (IEEE FP32 division); what the gradients hold afterwards is not part of the result.
+        The kernels walk flat memory: parameters and moments must be contiguous, and gradients are
+        made so (an adapter factor's gradient is often a transposed view)."""
         assert all(x.is_contiguous() for x in (*ps, *ms, *vs)), "AdamW state must be contiguous"
         gs = [g.contiguous() for g in gs]
-        torch._fused_adamw_(ps, gs, ms, vs, [], [t] * len(ps), lr=self.rate, beta1=self.betas[0],
-                            beta2=self.betas[1], weight_decay=self.weight_decay, eps=self.eps,
-                            amsgrad=False, maximize=False, grad_scale=divisor)
+        hyper = dict(lr=self.rate, beta1=self.betas[0], beta2=self.betas[1], weight_decay=self.weight_decay,
+                     eps=self.eps)
+        if ps and ps[0].is_cuda:
+            from ..kernels.adamw import adamw_
+            adamw_(ps, gs, ms, vs, t, divisor=divisor, **hyper)
+        else:
+            torch._fused_adamw_(ps, gs, ms, vs, [], [t] * len(ps), amsgrad=False, maximize=False,
+                                grad_scale=divisor, **hyper)
 
     def init_moments(self, params: dict) -> dict:
         return {n: (torch.zeros_like(p), torch.zeros_like(p)) for n, p in params.items()}

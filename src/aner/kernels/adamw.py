@@ -1,0 +1,126 @@
+"""AdamW over a list of FP32 tensors in one launch (Triton): the arithmetic of torch's fused
+AdamW kernel, with the gradients only read.
+
+`torch._fused_adamw_` given a `grad_scale` (the clipping divisor) writes every gradient back
+divided: 4 bytes an element more than the 28 the update needs (read parameter, gradient and two
+moments, write parameter and moments). This kernel reads the divisor as torch's does and writes
+nothing else. Per element, in FP32 as torch's CUDA kernel computes it (the hyperparameters
+rounded to FP32 first; fma rounds once, every other operation rounds its result, division and
+square root IEEE):
+
+    g  = g / divisor
+    p  = fma(-(lr * wd), p, p)                              (only when wd != 0)
+    m  = fma(b1, m, fma(-b1, g, g))                         (b1 m + (1 - b1) g)
+    v  = fma(b2, v, fma(-b2, g*g, g*g))
+    p  = p - (s * m) / (sqrt(v) / r2 + eps)
+
+where s = lr / (1 - b1^t) and r2 = sqrt(1 - b2^t) come from torch's own pow, division and square
+root on the device (`_corrections`, once an update). The tests compare every bit against
+`torch._fused_adamw_` on the GPU. The tensors are found through a table of their offsets from
+one base pointer: program i updates chunk i, CHUNK elements of the tensor that a map of chunks
+to table rows names (made once per list of sizes). Each element sees the same operations
+whatever the list, its order or its slicing; no atomics, no reduction.
+"""
+import functools
+import struct
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+
+CHUNK = 4096        # elements a program updates (16 a thread: four 16-byte loads of each tensor)
+COLUMNS = 6         # a table row: parameter, gradient, m, v offsets from the base; numel; first chunk
+
+
+@triton.jit
+def _adamw_kernel(base, table, chunks, corrections, divisor, b1, b2, eps, lw,
+                  DIVIDE: tl.constexpr, DECAY: tl.constexpr, ALIGNED: tl.constexpr,
+                  COLUMNS: tl.constexpr, CHUNK: tl.constexpr):
+    """Program i: chunk i, CHUNK elements of the tensor in row chunks[i] of the table. `base` is
+    an FP32 pointer; a row's offsets (in elements, from base) locate its tensors. ALIGNED: every
+    offset and numel is a multiple of 4 (16-byte loads). `corrections`: the update's s and r2;
+    lw = lr * wd, FP32."""
+    pid = tl.program_id(0)
+    row = table + tl.load(chunks + pid).to(tl.int64) * COLUMNS
+    p_off, g_off = tl.load(row), tl.load(row + 1)
+    m_off, v_off, numel = tl.load(row + 2), tl.load(row + 3), tl.load(row + 4)
+    if ALIGNED:
+        p_off, g_off = tl.multiple_of(p_off, 4), tl.multiple_of(g_off, 4)
+        m_off, v_off, numel = tl.multiple_of(m_off, 4), tl.multiple_of(v_off, 4), tl.multiple_of(numel, 4)
+    start = (pid - tl.load(row + 5)).to(tl.int64) * CHUNK
+    step_size, root2 = tl.load(corrections), tl.load(corrections + 1)
+    by = tl.load(divisor)
+
+    offs = start + tl.arange(0, CHUNK)
+    inside = offs < numel
+    p = tl.load(base + p_off + offs, mask=inside)
+    g = tl.load(base + g_off + offs, mask=inside)
+    m = tl.load(base + m_off + offs, mask=inside)
+    v = tl.load(base + v_off + offs, mask=inside)
+    if DIVIDE:
+        g = tl.div_rn(g, by)
+    if DECAY:
+        p = tl.fma(-lw, p, p)
+    m = tl.fma(b1, m, tl.fma(-b1, g, g))
+    gg = g * g
+    v = tl.fma(b2, v, tl.fma(-b2, gg, gg))
+    p = p - tl.div_rn(step_size * m, tl.div_rn(tl.sqrt_rn(v), root2) + eps)
+    tl.store(base + p_off + offs, p, mask=inside)
+    tl.store(base + m_off + offs, m, mask=inside)
+    tl.store(base + v_off + offs, v, mask=inside)
+
+
+def _bits(x: float) -> int:
+    return struct.unpack("<q", struct.pack("<d", x))[0]
+
+
+def _corrections(hyper: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
+    """[s, r2] (FP32) of update `step` by torch's own pow, division and square root on its
+    device, as its fused kernel makes them: s = lr / (1 - b1^t), r2 = sqrt(1 - b2^t), from
+    `hyper` = (beta1, beta2, lr) in float64 there, rounded to FP32."""
+    b1, b2, lr = hyper.float()
+    c = 1 - torch.pow(torch.stack([b1, b2]), step)
+    return torch.stack([lr / c[0], c[1].sqrt()])
+
+
+@functools.lru_cache(maxsize=16)
+def _chunk_rows(numels: tuple, device) -> torch.Tensor:
+    """(chunks,) int32 on `device`: the table row of each chunk of tensors of these sizes."""
+    counts = [triton.cdiv(n, CHUNK) for n in numels]
+    return torch.repeat_interleave(torch.arange(len(numels), dtype=torch.int32),
+                                   torch.tensor(counts)).to(device)
+
+
+def adamw_(params, grads, exp_avgs, exp_avg_sqs, step, *, lr, beta1, beta2, weight_decay, eps,
+           divisor=None) -> None:
+    """One AdamW update in place of contiguous FP32 tensors on one CUDA device (lists of one
+    length, each position one shape); `step` the update number and `divisor` (or None) 0-dim FP32
+    tensors there. The gradients are read, never written."""
+    tensors = [t for group in (params, grads, exp_avgs, exp_avg_sqs) for t in group]
+    assert all(t.dtype == torch.float32 and t.is_contiguous() for t in tensors), \
+        "AdamW's tensors must be contiguous FP32 tensors"
+    if not params:
+        return
+    base = params[0]
+    rows, first = [], 0
+    for p, g, m, v in zip(params, grads, exp_avgs, exp_avg_sqs):
+        assert p.shape == g.shape == m.shape == v.shape, "a parameter, its gradient and moments differ in shape"
+        if p.numel():
+            rows.append([(t.data_ptr() - base.data_ptr()) // 4 for t in (p, g, m, v)] + [p.numel(), first])
+            first += triton.cdiv(p.numel(), CHUNK)
+    if not rows:
+        return
+    chunks = _chunk_rows(tuple(r[4] for r in rows), base.device)
+    aligned = all(x % 4 == 0 for r in rows for x in r[:5]) and base.data_ptr() % 16 == 0
+    # the rows, then (beta1, beta2, lr) as float64 bits: one copy to the device, from pinned
+    # memory so that the host does not wait for the work queued before it
+    table = torch.tensor(rows + [[_bits(beta1), _bits(beta2), _bits(lr)] + [0] * (COLUMNS - 3)], dtype=torch.int64)
+    if base.is_cuda:
+        table = table.pin_memory().to(base.device, non_blocking=True)
+    corrections = _corrections(table[-1, :3].view(torch.float64), step)
+    f32 = lambda x: float(np.float32(x))  # noqa: E731   the FP32 value torch's kernel uses
+    _adamw_kernel[(first,)](base, table, chunks, corrections, corrections if divisor is None else divisor,
+                            f32(beta1), f32(beta2), f32(eps), f32(np.float32(lr) * np.float32(weight_decay)),
+                            DIVIDE=divisor is not None, DECAY=weight_decay != 0, ALIGNED=aligned,
+                            COLUMNS=COLUMNS, CHUNK=CHUNK, num_warps=8, enable_fp_fusion=False)
