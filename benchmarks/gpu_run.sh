@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU evidence, in stages, on the GPU machine (each stage fits one 10-minute call):
 #   device run, carry [".whl"]:  bash benchmarks/gpu_run.sh tests profiles kernels lora adamw throughput
-#   tests       tests/test_gpu.py, test_kernels.py, test_lora_kernels.py -> gpu-tests.log
+#   tests       tests/test_gpu.py, test_kernels.py, test_lora_kernels.py, test_adamw_kernel.py -> gpu-tests.log
 #               (TESTS="pytest arguments" narrows it; quotes inside it are honoured:
 #               TESTS="tests/test_kernels.py -k 'fast or exact'")
 #   profiles    benchmarks/gpu_profiles.py (the profile matrix)      -> <date>-h200-profiles.json
@@ -30,7 +30,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 for stage in "$@"; do
   echo "== $stage $(date +%T)"
   case $stage in
-    tests) eval "python3 -m pytest -q -p no:cacheprovider ${TESTS:-tests/test_gpu.py tests/test_kernels.py tests/test_lora_kernels.py}" 2>&1 \
+    tests) eval "python3 -m pytest -q -p no:cacheprovider ${TESTS:-tests/test_gpu.py tests/test_kernels.py tests/test_lora_kernels.py tests/test_adamw_kernel.py}" 2>&1 \
              | tee "$OUT/gpu-tests.log" | tail -n 30 ;;
     profiles) python3 benchmarks/gpu_profiles.py "$OUT/$day-h200-profiles.json" 2>&1 | tee "$OUT/gpu-profiles.log" ;;
     kernels) python3 benchmarks/nf4_kernels.py "$OUT/$day-h200-nf4-kernels.json" ${KERNELS:-} 2>&1 | tee "$OUT/nf4-kernels.log" | tail -n 40 ;;
