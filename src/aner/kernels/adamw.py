@@ -97,22 +97,21 @@ def adamw_(params, grads, exp_avgs, exp_avg_sqs, step, *, lr, beta1, beta2, weig
     """One AdamW update in place of contiguous FP32 tensors on one CUDA device (lists of one
     length, each position one shape); `step` the update number and `divisor` (or None) 0-dim FP32
     tensors there. The gradients are read, never written."""
-    tensors = [t for group in (params, grads, exp_avgs, exp_avg_sqs) for t in group]
-    assert all(t.dtype == torch.float32 and t.is_contiguous() for t in tensors), \
-        "AdamW's tensors must be contiguous FP32 tensors"
     if not params:
         return
-    base = params[0]
+    start = params[0].data_ptr()
     rows, first = [], 0
-    for p, g, m, v in zip(params, grads, exp_avgs, exp_avg_sqs):
-        assert p.shape == g.shape == m.shape == v.shape, "a parameter, its gradient and moments differ in shape"
-        if p.numel():
-            rows.append([(t.data_ptr() - base.data_ptr()) // 4 for t in (p, g, m, v)] + [p.numel(), first])
-            first += triton.cdiv(p.numel(), CHUNK)
+    for four in zip(params, grads, exp_avgs, exp_avg_sqs):
+        assert all(t.dtype == torch.float32 and t.is_contiguous() and t.shape == four[0].shape for t in four), \
+            "a parameter, its gradient and moments must be contiguous FP32 tensors of one shape"
+        if four[0].numel():
+            rows.append([(t.data_ptr() - start) // 4 for t in four] + [four[0].numel(), first])
+            first += triton.cdiv(four[0].numel(), CHUNK)
     if not rows:
         return
+    base = params[0]
     chunks = _chunk_rows(tuple(r[4] for r in rows), base.device)
-    aligned = all(x % 4 == 0 for r in rows for x in r[:5]) and base.data_ptr() % 16 == 0
+    aligned = all(x % 4 == 0 for r in rows for x in r[:5]) and start % 16 == 0
     # the rows, then (beta1, beta2, lr) as float64 bits: one copy to the device, from pinned
     # memory so that the host does not wait for the work queued before it
     table = torch.tensor(rows + [[_bits(beta1), _bits(beta2), _bits(lr)] + [0] * (COLUMNS - 3)], dtype=torch.int64)
