@@ -7,9 +7,11 @@ gradient. Each optimizer updates its own copy: ours (`aner.train.optim.AdamW`: o
 kernel, on the CPU torch's fused one), and the peer's two settings, torch.optim.AdamW with
 foreach=True (the multi-tensor ops) and with fused=True; ours and fused=True again with a
 clipping divisor (1.0: the gradients stay what they are, the division is still made; torch's
-kernel then writes them back). Each warms up with one update, then N timed updates (device
+kernel then writes them back); and ours with the divisor writing each matrix's BF16 cast as
+full fine-tuning under BF16 does, against fused=True with the divisor followed by those casts
+(what the forward made before). Each warms up with one update, then N timed updates (device
 synchronised); the record gives the median seconds per update, the ratios, and whether ours
-equals fused=True bit for bit after all updates, in both settings.
+equals fused=True bit for bit after all updates, in each setting (the casts too).
 """
 import argparse
 import datetime
@@ -54,34 +56,49 @@ def measure(model: str, device: str, n: int) -> dict:
     grads = {f"w{i}": gr for i, (_, gr) in enumerate(made)}
     adamw, one = AdamW(RATE, weight_decay=DECAY), torch.ones((), device=device)
     seconds, ours, peers = {}, {}, {}
-    for divided in (False, True):
+    cast = device != "cpu"                             # the CPU refuses a BF16 policy
+    for divided, with_casts in ((False, False), (True, False)) + (((True, True),) if cast else ()):
         params = {f"w{i}": p.clone() for i, (p, _) in enumerate(made)}
         moments, t = adamw.init_moments(params), [0]
+        casts = {n: p.bfloat16() for n, p in params.items() if p.dim() == 2} if with_casts else None
 
         def step_ours():
             t[0] += 1
-            adamw.step(params, grads, moments, t[0], one if divided else None)
+            adamw.step(params, grads, moments, t[0], one if divided else None, casts)
 
-        seconds["ours" + "_divided" * divided] = timed(step_ours, device, n)
-        ours[divided] = params
-    for setting, divided in (("foreach", False), ("fused", False), ("fused", True)):
+        key = "ours" + "_divided" * divided + "_casts" * with_casts
+        seconds[key] = timed(step_ours, device, n)
+        ours[key] = params, casts
+    for setting, divided, with_casts in (("foreach", False, False), ("fused", False, False), ("fused", True, False)) \
+            + ((("fused", True, True),) if cast else ()):
         params = [p.clone().requires_grad_(True) for p, _ in made]
         for p, (_, gr) in zip(params, made):
             p.grad = gr.clone()
         opt = torch.optim.AdamW(params, lr=RATE, weight_decay=DECAY, **{setting: True})
         if divided:
             opt.grad_scale = one                      # what GradScaler hands a fused optimizer
-        seconds[setting + "_divided" * divided] = timed(opt.step, device, n)
-        peers[setting, divided] = params
-    equal = {d: all(torch.equal(ours[d][f"w{i}"], p.detach()) for i, p in enumerate(peers["fused", d]))
-             for d in (False, True)}
+        casts = [p.detach().bfloat16() for p in params if p.dim() == 2] if with_casts else None
+
+        def step_peer():
+            opt.step()
+            if casts is not None:
+                torch._foreach_copy_(casts, [p.detach() for p in params if p.dim() == 2])
+
+        key = setting + "_divided" * divided + "_casts" * with_casts
+        seconds[key] = timed(step_peer, device, n)
+        peers[key] = params, casts
+
+    def same(key):
+        (mine, my_casts), (theirs, their_casts) = ours[key.replace("fused", "ours")], peers[key]
+        return all(torch.equal(mine[f"w{i}"], p.detach()) for i, p in enumerate(theirs)) and \
+            (my_casts is None or all(torch.equal(a, b) for a, b in zip(my_casts.values(), their_casts)))
     median = {k: statistics.median(v) for k, v in seconds.items()}
-    return {"model": model, "parameters": sum(p.numel() for p in ours[False].values()),
+    return {"model": model, "parameters": sum(p.numel() for p in ours["ours"][0].values()),
             "seconds_per_update": median, "all_seconds": seconds,
             "foreach_over_ours": median["foreach"] / median["ours"],
-            "fused_over_ours": median["fused"] / median["ours"],
-            "fused_divided_over_ours_divided": median["fused_divided"] / median["ours_divided"],
-            "ours_equals_fused_bitwise": equal[False], "ours_divided_equals_fused_divided_bitwise": equal[True]}
+            **{f"{k}_over_{k.replace('fused', 'ours')}": median[k] / median[k.replace("fused", "ours")]
+               for k in peers if k.startswith("fused")},
+            **{f"ours{k[5:]}_equals_{k}_bitwise": same(k) for k in peers if k.startswith("fused")}}
 
 
 def main():
@@ -99,11 +116,9 @@ def main():
               "rate": RATE, "weight_decay": DECAY, "timed_updates": args.updates, "rows": rows}
     args.out.write_text(json.dumps(record, indent=1) + "\n")
     for r in rows:
-        ms = {k: v * 1e3 for k, v in r["seconds_per_update"].items()}
-        print(f"{r['model']}: ours {ms['ours']:.2f} ms, divided {ms['ours_divided']:.2f}; foreach "
-              f"x{r['foreach_over_ours']:.2f}, fused x{r['fused_over_ours']:.2f}, fused divided "
-              f"x{r['fused_divided_over_ours_divided']:.2f}; equal to fused: {r['ours_equals_fused_bitwise']}, "
-              f"divided: {r['ours_divided_equals_fused_divided_bitwise']}")
+        ms = ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in r["seconds_per_update"].items())
+        equal = ", ".join(f"{k}: {v}" for k, v in r.items() if k.endswith("_bitwise"))
+        print(f"{r['model']}: {ms}; {equal}")
 
 
 if __name__ == "__main__":

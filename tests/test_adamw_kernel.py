@@ -88,3 +88,28 @@ def test_slices_and_order_change_no_bit():
             adamw_(*([x[s:s + 1028]] for x in four), count, weight_decay=0.1, **HYPER)
     for a, b, c in zip(whole, reversed_, sliced):
         assert all(torch.equal(x, y) and torch.equal(x, z) for x, y, z in zip(a, b, c))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_casts_are_the_updated_parameters_cast(dtype):
+    """A parameter given a cast has it rewritten with its updated value's `to(dtype)` (round to
+    nearest even), also when only some parameters have one and when updated in slices; the
+    update's own bits do not change."""
+    if INTERPRET and dtype == torch.bfloat16:
+        pytest.skip("Triton's interpreter rounds FP32 to BF16 by truncation")
+    state = _state(2)
+    plain, kept = ([[x.clone() for x in four] for four in state] for _ in range(2))
+    casts = [torch.full_like(four[0], 7.0, dtype=dtype) if i % 2 == 0 else None for i, four in enumerate(kept)]
+    for t in range(1, 4):
+        count = torch.tensor(float(t), device=DEV)
+        adamw_(*(list(x) for x in zip(*plain)), count, weight_decay=0.1, **HYPER)
+        for four, cast in zip(kept, casts):   # in slices of 1028 elements: not chunk-aligned
+            for s in range(0, four[0].numel(), 1028):
+                adamw_(*([x[s:s + 1028]] for x in four), count, weight_decay=0.1, casts=[
+                    None if cast is None else cast[s:s + 1028]], **HYPER)
+        for a, b, cast in zip(plain, kept, casts):
+            assert all(torch.equal(x, y) for x, y in zip(a, b))
+            assert cast is None or torch.equal(cast.cpu(), b[0].cpu().to(dtype))
+    whole = [torch.zeros_like(four[0], dtype=dtype) for four in kept]
+    adamw_(*(list(x) for x in zip(*kept)), torch.tensor(4.0, device=DEV), casts=whole, weight_decay=0.1, **HYPER)
+    assert all(torch.equal(c.cpu(), four[0].cpu().to(dtype)) for c, four in zip(whole, kept))

@@ -3,6 +3,7 @@
 Skipped where no CUDA device exists (development machines and CI); run on the GPU machine with
 CUBLAS_WORKSPACE_CONFIG=:4096:8 (see benchmarks/gpu_profiles.py for the matrix over real shapes).
 """
+import contextlib
 
 import numpy as np
 import pytest
@@ -87,6 +88,49 @@ def test_exact_resume_matrix(tiny_path, data, tmp_path, storage, method, kernel,
     again = src.fine_tune(tr, va, steps=2, **kw)  # the same inputs give the same bits
     assert tensors_equal(two, again)
     assert src.updates() == 0
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+@pytest.mark.parametrize("optimizer", ["adamw", "paged_adamw"])
+@pytest.mark.parametrize("precision", ["float16", "bfloat16"])
+def test_kept_casts_follow_their_weights(tiny_path, data, monkeypatch, precision, optimizer, graphs):
+    """Full fine-tuning under a low-precision policy keeps each trained matrix's cast, which AdamW
+    rewrites: before every update each equals a fresh cast of its weight, and the trained
+    weights, moments and validation loss equal a run's that casts every weight in every forward."""
+    import aner.train.loop as loop
+    tr, va = data
+    src = gen.import_model(tiny_path, device=DEV).with_training_profile(
+        precision=precision, optimizer=optimizer, page_bytes=PAGE, cuda_graphs=graphs, layer_kernel="fused")
+    kw = dict(micro_batch=2, accumulation=2, rate=1e-3, seed=4)
+    kept, checked = [], []
+    real_kept, real_clip = loop.kept_casts, loop.clip_divisor
+
+    @contextlib.contextmanager
+    def recording(model, trainable, profile):
+        with real_kept(model, trainable, profile) as casts:
+            kept.append((casts, trainable))
+            yield casts
+
+    def checking(grads, clip_norm):
+        casts, trainable = kept[-1]
+        checked.append(all(torch.equal(c, trainable[n].detach().to(c.dtype)) for n, c in casts.items()))
+        return real_clip(grads, clip_norm)
+
+    monkeypatch.setattr(loop, "kept_casts", recording)
+    monkeypatch.setattr(loop, "clip_divisor", checking)
+    ours = src.fine_tune(tr, va, steps=3, **kw)
+    casts = kept[0][0]
+    # the untied tiny model: 7 matrices a layer and the head; the embedding table is only looked up
+    assert sorted(casts) == sorted(n for n, w in src._weights.items() if w.dim() == 2 and n != "token_embd.weight")
+    assert all(c.dtype == getattr(torch, precision) for c in casts.values()) and checked == [True] * 3
+
+    @contextlib.contextmanager
+    def none(model, trainable, profile):
+        yield {}
+
+    monkeypatch.setattr(loop, "kept_casts", none)
+    fresh = src.fine_tune(tr, va, steps=3, **kw)
+    assert tensors_equal(ours, fresh) and ours.validation_loss() == fresh.validation_loss()
 
 
 def test_paged_equals_resident_adamw_bitwise(tiny_path, data):

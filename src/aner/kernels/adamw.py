@@ -20,6 +20,10 @@ root on the device (`_corrections`, once an update). The tests compare every bit
 one base pointer: program i updates chunk i, CHUNK elements of the tensor that a map of chunks
 to table rows names (made once per list of sizes). Each element sees the same operations
 whatever the list, its order or its slicing; no atomics, no reduction.
+
+A parameter may come with its cast, a FP16/BF16 tensor of its shape that the kernel writes with
+the updated parameter rounded to nearest even (the bits of `p.to(dtype)`): the operand that the
+next forward would otherwise make by reading the parameter again.
 """
 import functools
 import struct
@@ -30,17 +34,18 @@ import triton
 import triton.language as tl
 
 CHUNK = 4096        # elements a program updates (16 a thread: four 16-byte loads of each tensor)
-COLUMNS = 6         # a table row: parameter, gradient, m, v offsets from the base; numel; first chunk
+COLUMNS = 7         # a table row: parameter, gradient, m, v offsets from the base; numel; first chunk;
+                    # the cast's offset from the cast base (-1: none)
 
 
 @triton.jit
-def _adamw_kernel(base, table, chunks, corrections, divisor, b1, b2, eps, lw,
-                  DIVIDE: tl.constexpr, DECAY: tl.constexpr, ALIGNED: tl.constexpr,
+def _adamw_kernel(base, cast_base, table, chunks, corrections, divisor, b1, b2, eps, lw,
+                  DIVIDE: tl.constexpr, DECAY: tl.constexpr, CAST: tl.constexpr, ALIGNED: tl.constexpr,
                   COLUMNS: tl.constexpr, CHUNK: tl.constexpr):
     """Program i: chunk i, CHUNK elements of the tensor in row chunks[i] of the table. `base` is
-    an FP32 pointer; a row's offsets (in elements, from base) locate its tensors. ALIGNED: every
-    offset and numel is a multiple of 4 (16-byte loads). `corrections`: the update's s and r2;
-    lw = lr * wd, FP32."""
+    an FP32 pointer, `cast_base` one of the casts' dtype; a row's offsets (in elements, from
+    them) locate its tensors. ALIGNED: every offset and numel is a multiple of 4 (16-byte loads).
+    `corrections`: the update's s and r2; lw = lr * wd, FP32."""
     pid = tl.program_id(0)
     row = table + tl.load(chunks + pid).to(tl.int64) * COLUMNS
     p_off, g_off = tl.load(row), tl.load(row + 1)
@@ -67,6 +72,12 @@ def _adamw_kernel(base, table, chunks, corrections, divisor, b1, b2, eps, lw,
     v = tl.fma(b2, v, tl.fma(-b2, gg, gg))
     p = p - tl.div_rn(step_size * m, tl.div_rn(tl.sqrt_rn(v), root2) + eps)
     tl.store(base + p_off + offs, p, mask=inside)
+    if CAST:
+        c_off = tl.load(row + 6)
+        if c_off >= 0:
+            if ALIGNED:
+                c_off = tl.multiple_of(c_off, 4)
+            tl.store(cast_base + c_off + offs, p.to(cast_base.dtype.element_ty), mask=inside)
     tl.store(base + m_off + offs, m, mask=inside)
     tl.store(base + v_off + offs, v, mask=inside)
 
@@ -93,25 +104,35 @@ def _chunk_rows(numels: tuple, device) -> torch.Tensor:
 
 
 def adamw_(params, grads, exp_avgs, exp_avg_sqs, step, *, lr, beta1, beta2, weight_decay, eps,
-           divisor=None) -> None:
+           divisor=None, casts=None) -> None:
     """One AdamW update in place of contiguous FP32 tensors on one CUDA device (lists of one
     length, each position one shape); `step` the update number and `divisor` (or None) 0-dim FP32
-    tensors there. The gradients are read, never written."""
+    tensors there. The gradients are read, never written. `casts` (or None): for each parameter
+    None or a contiguous tensor of its shape in one FP16/BF16 dtype for all, written with the
+    updated parameter's cast."""
     if not params:
         return
-    start = params[0].data_ptr()
+    casts = [None] * len(params) if casts is None else casts
+    kept = [c for c in casts if c is not None]
+    cast_base = min(kept, key=torch.Tensor.data_ptr) if kept else params[0]   # offsets >= 0
+    start, cast_start = params[0].data_ptr(), cast_base.data_ptr()
     rows, first = [], 0
-    for four in zip(params, grads, exp_avgs, exp_avg_sqs):
+    for four, cast in zip(zip(params, grads, exp_avgs, exp_avg_sqs), casts):
         assert all(t.dtype == torch.float32 and t.is_contiguous() and t.shape == four[0].shape for t in four), \
             "a parameter, its gradient and moments must be contiguous FP32 tensors of one shape"
+        assert cast is None or (cast.dtype == cast_base.dtype and cast.is_contiguous()
+                                and cast.shape == four[0].shape), \
+            "a cast must be a contiguous tensor of its parameter's shape, all casts of one dtype"
         if four[0].numel():
-            rows.append([(t.data_ptr() - start) // 4 for t in four] + [four[0].numel(), first])
+            cast_offset = -1 if cast is None else (cast.data_ptr() - cast_start) // cast.element_size()
+            rows.append([(t.data_ptr() - start) // 4 for t in four] + [four[0].numel(), first, cast_offset])
             first += triton.cdiv(four[0].numel(), CHUNK)
     if not rows:
         return
     base = params[0]
     chunks = _chunk_rows(tuple(r[4] for r in rows), base.device)
-    aligned = all(x % 4 == 0 for r in rows for x in r[:5]) and start % 16 == 0
+    aligned = all(x % 4 == 0 for r in rows for x in r[:5] + r[6:] if x >= 0) and start % 16 == 0 \
+        and cast_start % (4 * cast_base.element_size()) == 0
     # the rows, then (beta1, beta2, lr) as float64 bits: one copy to the device, from pinned
     # memory so that the host does not wait for the work queued before it
     table = torch.tensor(rows + [[_bits(beta1), _bits(beta2), _bits(lr)] + [0] * (COLUMNS - 3)], dtype=torch.int64)
@@ -119,7 +140,8 @@ def adamw_(params, grads, exp_avgs, exp_avg_sqs, step, *, lr, beta1, beta2, weig
         table = table.pin_memory().to(base.device, non_blocking=True)
     corrections = _corrections(table[-1, :3].view(torch.float64), step)
     f32 = lambda x: float(np.float32(x))  # noqa: E731   the FP32 value torch's kernel uses
-    _adamw_kernel[(first,)](base, table, chunks, corrections, corrections if divisor is None else divisor,
+    _adamw_kernel[(first,)](base, cast_base, table, chunks, corrections,
+                            corrections if divisor is None else divisor,
                             f32(beta1), f32(beta2), f32(eps), f32(np.float32(lr) * np.float32(weight_decay)),
-                            DIVIDE=divisor is not None, DECAY=weight_decay != 0, ALIGNED=aligned,
-                            COLUMNS=COLUMNS, CHUNK=CHUNK, num_warps=8, enable_fp_fusion=False)
+                            DIVIDE=divisor is not None, DECAY=weight_decay != 0, CAST=bool(kept),
+                            ALIGNED=aligned, COLUMNS=COLUMNS, CHUNK=CHUNK, num_warps=8, enable_fp_fusion=False)

@@ -32,6 +32,7 @@ class Dense(nn.Module):
     def __init__(self, weight: torch.Tensor):
         super().__init__()
         self.weight = weight
+        self.cast = None   # a trained weight's cast, kept in step by its optimizer (`train.loop.kept_casts`)
 
     def forward(self, x):
         if not torch.is_autocast_enabled(x.device.type):
@@ -46,8 +47,16 @@ class Dense(nn.Module):
         together (one chain of products makes the input gradient), otherwise each on its own."""
         dev = x.device.type
         if torch.is_autocast_enabled(dev) and all(m.weight.requires_grad for m in modules):
-            return _TrainedProjections.apply(x, torch.get_autocast_dtype(dev), *(m.weight for m in modules))
+            dtype = torch.get_autocast_dtype(dev)
+            return _TrainedProjections.apply(x, dtype, tuple(m.cast_to(dtype) for m in modules),
+                                             *(m.weight for m in modules))
         return tuple(m(x) for m in modules)
+
+    def cast_to(self, dtype):
+        """The weight in `dtype`, detached: its kept cast when it has one in that dtype."""
+        if self.cast is not None and self.cast.dtype == dtype:
+            return self.cast
+        return self.weight.detach().to(dtype)
 
     def operand(self, dtype):
         """A frozen weight as a product's operand in `dtype` (the weight itself when stored in it);
@@ -60,18 +69,18 @@ class Dense(nn.Module):
 
 class _TrainedProjections(torch.autograd.Function):
     """x @ W_i^T for trained FP32 weights that read one x, under a low-precision policy: each
-    product in `dtype` with FP32 accumulation, as autocast makes it; each weight's gradient
-    g_i^T x accumulated in FP32 and written in FP32 by its GEMM (CUDA); the input gradient one
-    chain of products into one buffer (dx = g_0 @ W_0, then dx += g_i @ W_i inside each next GEMM),
-    so no pass adds them. Through autocast the weight gradient came out of the GEMM rounded to
-    `dtype`, transposed, and was then converted and made contiguous: two more passes over every
-    weight an update, and a rounding."""
+    product of x in `dtype` and the weight's cast to it (`casts`, from `Dense.cast_to`) with FP32
+    accumulation, as autocast makes it; each weight's gradient g_i^T x accumulated in FP32 and
+    written in FP32 by its GEMM (CUDA); the input gradient one chain of products into one buffer
+    (dx = g_0 @ W_0, then dx += g_i @ W_i inside each next GEMM), so no pass adds them. Through
+    autocast the weight gradient came out of the GEMM rounded to `dtype`, transposed, and was then
+    converted and made contiguous: two more passes over every weight an update, and a rounding."""
 
     @staticmethod
-    def forward(ctx, x, dtype, *weights):
-        x, ws = x.to(dtype), [w.to(dtype) for w in weights]
-        ctx.save_for_backward(x, *ws)
-        return tuple(F.linear(x, w) for w in ws)
+    def forward(ctx, x, dtype, casts, *weights):
+        x = x.to(dtype)
+        ctx.save_for_backward(x, *casts)
+        return tuple(F.linear(x, w) for w in casts)
 
     @staticmethod
     def backward(ctx, *gs):
@@ -84,8 +93,8 @@ class _TrainedProjections(torch.autograd.Function):
                 dx = g @ w if dx is None else dx.addmm_(g, w)
             dx = dx.view(x.shape)
         dws = [torch.mm(g.t(), x2d, out_dtype=torch.float32) if need else None
-               for g, need in zip(g2d, ctx.needs_input_grad[2:])]
-        return dx, None, *dws
+               for g, need in zip(g2d, ctx.needs_input_grad[3:])]
+        return dx, None, None, *dws
 
 
 class RMSNorm(nn.Module):

@@ -13,6 +13,7 @@ the seed and the epoch).
 import math
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from functools import partial
 
@@ -20,6 +21,7 @@ import torch
 
 from ..adapters.base import seeded
 from ..errors import ConfigError, DataError
+from ..model.llama import Dense
 from .loss import batch, gradients, summed_loss
 from .optim import AdamW, all_finite, clip_divisor
 from .profile import Profile
@@ -127,6 +129,33 @@ def run(model, params: dict, trainable: dict, method, training, validation, stat
     `on_update(state)` is called after every committed update (jobs use it to stop and checkpoint);
     returning False stops the run at that boundary.
     """
+    with kept_casts(model, trainable, profile) as casts:
+        return _run(model, params, trainable, method, training, validation, state, steps, device, progress,
+                    on_update, profile, casts)
+
+
+@contextmanager
+def kept_casts(model, trainable: dict, profile: Profile):
+    """Under a FP16/BF16 policy, each trained dense matrix's cast to the operand dtype, made once
+    for the run (name -> tensor, `Dense.cast`): the optimizer rewrites it as it writes the
+    weight (the same rounding of the same FP32 value), so a forward reads it instead of reading
+    the FP32 weight to cast it. The admission already counts these casts (backward keeps them).
+    They are dropped when the run ends, however it ends."""
+    table = None if model.head() is model.tok_embd else model.tok_embd    # looked up in FP32, never cast
+    dense = {id(m.weight): m for m in model.modules() if type(m) is Dense and m is not table}
+    kept = {n: dense[id(w)] for n, w in trainable.items() if id(w) in dense and w.dim() == 2} \
+        if profile.precision != "float32" else {}
+    try:
+        for m in kept.values():
+            m.cast = m.weight.detach().to(profile.compute_dtype)
+        yield {n: m.cast for n, m in kept.items()}
+    finally:
+        for m in kept.values():
+            m.cast = None
+
+
+def _run(model, params, trainable, method, training, validation, state, steps, device, progress, on_update,
+         profile, casts) -> TrainState:
     optimizer = make_optimizer(profile, state.run.rate, device)
     moments = state.moments or optimizer.init_moments(trainable)
     fp16 = profile.precision == "float16"
@@ -172,7 +201,8 @@ def run(model, params: dict, trainable: dict, method, training, validation, stat
         if method is not None:
             method.precondition(grads, params)
         read_loss = _read_later(window_loss)       # copied before the update, read while it runs
-        optimizer.step(trainable, grads, moments, state.updates + 1, clip_divisor(grads, state.run.clip_norm))
+        optimizer.step(trainable, grads, moments, state.updates + 1, clip_divisor(grads, state.run.clip_norm),
+                       casts)
         window_loss = read_loss()
         _check_finite(window_loss, state.updates + 1)
         if fp16:

@@ -31,14 +31,14 @@ def chunk_positions(vocab: int, itemsize: int = 4, trained_dim: int = 0) -> int:
     """Positions per chunk: FP32 logits (itemsize 4), or with the fused cross-entropy the
     logits in the operand dtype, which its gradient then overwrites. There a trained head's
     FP32 weight gradient (vocab x `trained_dim`) is read and written by every chunk's product but
-    the first, so a chunk may hold as many bytes of logits as that gradient holds: the
+    the first, so a chunk may hold as many bytes of logits as that read and write move: the
     accumulation then moves no more bytes than the logits it sums."""
-    return max(1, CHUNK_BYTES // (itemsize * vocab), 4 * trained_dim // itemsize)
+    return max(1, CHUNK_BYTES // (itemsize * vocab), 8 * trained_dim // itemsize)
 
 
 def _chunk_head(head, profile):
-    """The head as every chunk calls it. A dense head is cast to the operand dtype here, once,
-    where no chunk differentiates through it: frozen, or trained with the fused cross-entropy,
+    """The head as every chunk calls it. A dense head is cast to the operand dtype here, once (a
+    trained head's kept cast is taken as it is), where no chunk differentiates through it: frozen, or trained with the fused cross-entropy,
     which makes the weight's gradient itself (`_fused_chunk`) and asks autograd for the hidden
     states' only. A packed head of the decoded NF4 kernels is decoded here, once, likewise: the
     bits each chunk's product would decode."""
@@ -47,7 +47,7 @@ def _chunk_head(head, profile):
     w = getattr(head, "weight", None)
     fused = profile.layer_kernel == "fused"
     if type(head) is Dense and profile.precision != "float32" and (fused or not w.requires_grad):
-        return Dense(w.detach().to(profile.compute_dtype))
+        return Dense(head.cast_to(profile.compute_dtype))
     return head
 
 

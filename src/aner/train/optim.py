@@ -26,33 +26,41 @@ class AdamW:
     weight_decay: float = 0.0
 
     @torch.no_grad()
-    def update(self, ps: list, gs: list, ms: list, vs: list, t: torch.Tensor, divisor=None) -> None:
+    def update(self, ps: list, gs: list, ms: list, vs: list, t: torch.Tensor, divisor=None, cs=None) -> None:
         """One AdamW update of (slices of) parameters and their moments, in place; t is the update
         number (1-based) as a 0-dim FP32 tensor on their device (`step_count`). `divisor` (a 0-dim
         FP32 tensor there, from `clip_divisor`, or None): each gradient is divided by it as it is
         read (IEEE FP32 division); what the gradients hold afterwards is not part of the result.
         The kernels walk flat memory: parameters and moments must be contiguous, and gradients are
-        made so (an adapter factor's gradient is often a transposed view)."""
+        made so (an adapter factor's gradient is often a transposed view). `cs` (or None): for each
+        parameter None or its kept cast to the operand dtype, rewritten from the updated parameter
+        (`Dense.cast`)."""
         assert all(x.is_contiguous() for x in (*ps, *ms, *vs)), "AdamW state must be contiguous"
         gs = [g.contiguous() for g in gs]
         hyper = dict(lr=self.rate, beta1=self.betas[0], beta2=self.betas[1], weight_decay=self.weight_decay,
                      eps=self.eps)
         if ps and ps[0].is_cuda:
             from ..kernels.adamw import adamw_
-            adamw_(ps, gs, ms, vs, t, divisor=divisor, **hyper)
+            adamw_(ps, gs, ms, vs, t, divisor=divisor, casts=cs, **hyper)
         else:
             torch._fused_adamw_(ps, gs, ms, vs, [], [t] * len(ps), amsgrad=False, maximize=False,
                                 grad_scale=divisor, **hyper)
+            for c, p in zip(cs or (), ps):
+                if c is not None:
+                    c.copy_(p)
 
     def init_moments(self, params: dict) -> dict:
         return {n: (torch.zeros_like(p), torch.zeros_like(p)) for n, p in params.items()}
 
-    def step(self, params: dict, grads: dict, moments: dict, t: int, divisor=None) -> None:
-        """Update `params` and `moments` in place for update number `t` (1-based)."""
+    def step(self, params: dict, grads: dict, moments: dict, t: int, divisor=None, casts=None) -> None:
+        """Update `params` and `moments` in place for update number `t` (1-based), and the kept
+        casts of those in `casts` (name -> tensor)."""
         names = sorted(params)
+        casts = casts or {}
         if names:
             self.update([params[n] for n in names], [grads[n] for n in names], [moments[n][0] for n in names],
-                        [moments[n][1] for n in names], step_count(t, params[names[0]].device), divisor)
+                        [moments[n][1] for n in names], step_count(t, params[names[0]].device), divisor,
+                        [casts.get(n) for n in names])
 
 
 def step_count(t: int, device) -> torch.Tensor:

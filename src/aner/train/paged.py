@@ -30,7 +30,7 @@ class PagedAdamW:
                     torch.zeros(p.shape, dtype=torch.float32, pin_memory=True)) for n, p in params.items()}
 
     @torch.no_grad()
-    def step(self, params: dict, grads: dict, moments: dict, t: int, divisor=None) -> None:
+    def step(self, params: dict, grads: dict, moments: dict, t: int, divisor=None, casts=None) -> None:
         step = self.page_bytes // 4
         chunks = [(n, s, min(s + step, params[n].numel())) for n in sorted(params)
                   for s in range(0, params[n].numel(), step)]
@@ -40,6 +40,7 @@ class PagedAdamW:
         loaded = [torch.cuda.Event() for _ in range(2)]
         computed = [torch.cuda.Event() for _ in range(2)]
         count = step_count(t, self.device)
+        casts = casts or {}
         side.wait_stream(main)  # gradients are complete before any chunk moves
 
         def load(k):
@@ -58,8 +59,9 @@ class PagedAdamW:
                 load(k + 1)  # the side stream issued chunk k-1's write-back first, so its buffer is free
             main.wait_event(loaded[b])
             bm, bv = bufs[b]
+            cast = casts.get(name)
             self.adamw.update([params[name].view(-1)[s:e]], [grads[name].view(-1)[s:e]], [bm[:e - s]], [bv[:e - s]],
-                              count, divisor)
+                              count, divisor, [None if cast is None else cast.view(-1)[s:e]])
             computed[b].record(main)
             m, v = moments[name]
             with torch.cuda.stream(side):
