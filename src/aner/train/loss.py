@@ -15,7 +15,8 @@ exactly zero, with no host synchronisation and no gather. Chunk boundaries depen
 model's shape, whether its head is trained and the profile, so results are a pure function of
 the inputs. With layer_kernel="fused" one kernel makes a chunk's loss and its logits' gradient,
 which overwrites the logits in their own dtype: no FP32 copy exists, and a chunk holds twice the
-positions under FP16/BF16 (and a trained head's chunk as many bytes as its weight gradient).
+positions under FP16/BF16 (and a trained head's chunk as many bytes as each later chunk's
+product reads and writes of its FP32 weight gradient).
 """
 import torch
 import torch.nn.functional as F
@@ -38,10 +39,10 @@ def chunk_positions(vocab: int, itemsize: int = 4, trained_dim: int = 0) -> int:
 
 def _chunk_head(head, profile):
     """The head as every chunk calls it. A dense head is cast to the operand dtype here, once (a
-    trained head's kept cast is taken as it is), where no chunk differentiates through it: frozen, or trained with the fused cross-entropy,
-    which makes the weight's gradient itself (`_fused_chunk`) and asks autograd for the hidden
-    states' only. A packed head of the decoded NF4 kernels is decoded here, once, likewise: the
-    bits each chunk's product would decode."""
+    trained head's kept cast is taken as it is), where no chunk differentiates through it:
+    frozen, or trained with the fused cross-entropy, which makes the weight's gradient itself
+    (`_fused_chunk`) and asks autograd for the hidden states' only. A packed head of the decoded
+    NF4 kernels is decoded here, once, likewise: the bits each chunk's product would decode."""
     if isinstance(head, NF4Module) and head.decoded:
         return Dense(head.operand(profile.compute_dtype))
     w = getattr(head, "weight", None)
