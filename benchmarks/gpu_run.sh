@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU evidence, in stages, on the GPU machine (each stage fits one 10-minute call):
-#   device run, carry [".whl"]:  bash benchmarks/gpu_run.sh tests profiles kernels lora adamw throughput
+#   device run, carry [".whl"]:  bash benchmarks/gpu_run.sh tests profiles kernels lora adamw norms throughput
 #   tests       tests/test_gpu.py, test_kernels.py, test_lora_kernels.py, test_adamw_kernel.py -> gpu-tests.log
 #               (TESTS="pytest arguments" narrows it; quotes inside it are honoured:
 #               TESTS="tests/test_kernels.py -k 'fast or exact'")
@@ -10,6 +10,7 @@
 #   lora        benchmarks/lora_kernels.py (fused adapter kernels)   -> <date>-h200-lora-kernels.json
 #               (LORA=--sweep: the tile grid at every shape of a Llama-3.2-1B and Llama-3.1-8B update)
 #   adamw       benchmarks/adamw.py (ours against torch.optim.AdamW) -> <date>-h200-adamw.json
+#   norms       benchmarks/norm_kernels.py (RMSNorm backward, sum_splits) -> <date>-h200-norm-kernels.json
 #   throughput  benchmarks/throughput.py (ours against the peer)     -> <date>-h200.json
 #               (COMBOS="model:method ..." narrows it)
 #   profile     where one update's GPU time goes (SmolLM2 and Llama-3.2-1B LoRA, eager loop:
@@ -36,6 +37,7 @@ for stage in "$@"; do
     kernels) python3 benchmarks/nf4_kernels.py "$OUT/$day-h200-nf4-kernels.json" ${KERNELS:-} 2>&1 | tee "$OUT/nf4-kernels.log" | tail -n 40 ;;
     adamw) python3 benchmarks/adamw.py "$OUT/$day-h200-adamw.json" --device cuda:0 --models smollm2-135m llama-3.2-1b 2>&1 \
              | tee "$OUT/adamw.log" ;;
+    norms) python3 benchmarks/norm_kernels.py "$OUT/$day-h200-norm-kernels.json" 2>&1 | tee "$OUT/norm-kernels.log" ;;
     lora) python3 benchmarks/lora_kernels.py "$OUT/$day-h200-lora-kernels.json" ${LORA:-} 2>&1 | tee "$OUT/lora-kernels.log" | tail -n 60 ;;
     throughput) python3 benchmarks/throughput.py "$OUT/$day-h200.json" ${COMBOS:-} 2>&1 | tee "$OUT/throughput.log" ;;
     profile) for c in ${PROFILES:-smollm2-135m:lora:eager llama-3.2-1b:lora:eager}; do python3 benchmarks/throughput.py --profile $c; done 2>&1 \
