@@ -2,6 +2,7 @@
 import torch
 
 FLOATS = (torch.float32, torch.float16, torch.bfloat16)    # the operand dtypes every kernel takes
+TARGET_PROGRAMS = 264    # what a launch splitting its work aims at: two programs a multiprocessor (H200)
 
 
 def fused_available() -> bool:

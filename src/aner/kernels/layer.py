@@ -38,10 +38,8 @@ import triton.language as tl
 from torch import nn
 
 from ..errors import ConfigError
-from . import FLOATS
+from . import FLOATS, TARGET_PROGRAMS
 from .splits import sum_splits
-
-TARGET_PROGRAMS = 264   # rms_norm backward: two programs per multiprocessor on an H200/H100 SXM
 
 
 @triton.jit

@@ -35,10 +35,9 @@ import torch
 import triton
 import triton.language as tl
 
+from . import TARGET_PROGRAMS
 from .fp32 import fp32_dot
 from .splits import sum_splits
-
-TARGET_PROGRAMS = 264   # two programs per multiprocessor on an H200/H100 SXM
 
 
 @dataclass(frozen=True)

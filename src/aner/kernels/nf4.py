@@ -48,7 +48,7 @@ from .splits import sum_splits
 assert NF4_BLOCK == 64 and ABSMAX_BLOCK == 256
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"    # Triton's CPU interpreter (tests)
-TARGET_PROGRAMS = 132   # H200/H100 SXM multiprocessors: split-K aims at one wave of >= this many
+MULTIPROCESSORS = 132   # H200/H100 SXM: split-K aims at one wave of >= this many programs
 
 
 # ----------------------------------------------------------------------------- packed weight
@@ -478,9 +478,9 @@ def _pow2_at_least(n: int, lo: int) -> int:
 
 def _split(tiles: int, steps: int) -> int:
     """Parts of the reduction for `tiles` output tiles: double while the programs still fit one
-    wave of TARGET_PROGRAMS and every part keeps >= 4 steps (a fixed function of the shape)."""
+    wave (MULTIPROCESSORS programs) and every part keeps >= 4 steps (a fixed function of the shape)."""
     split = 1
-    while tiles * split * 2 <= TARGET_PROGRAMS and steps >= 8 * split and split < 16:
+    while tiles * split * 2 <= MULTIPROCESSORS and steps >= 8 * split and split < 16:
         split *= 2
     return split
 

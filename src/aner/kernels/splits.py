@@ -3,6 +3,8 @@ import torch
 import triton
 import triton.language as tl
 
+from . import TARGET_PROGRAMS
+
 
 @triton.jit
 def _sum_splits_kernel(part, out, numel, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
@@ -26,13 +28,13 @@ def sum_splits(part: torch.Tensor, out: torch.Tensor | None = None) -> torch.Ten
         return part[0]
     if out is None:
         out = torch.empty(part.shape[1:], device=part.device, dtype=torch.float32)
-    # Each element's sum is a chain of loads and adds: blocks small enough for ~264 programs (two
-    # a multiprocessor) where the output is small, e.g. a norm's weight gradient: 256 parts of 2048
+    # Each element's sum is a chain of loads and adds: blocks small enough for TARGET_PROGRAMS
+    # programs where the output is small, e.g. a norm's weight gradient: 256 parts of 2048
     # took 23.4 us in 2 programs of 1024, 3.0 us in 64 of 32 (`benchmarks/norm_kernels.py`), the
     # same bits.
     numel = out.numel()
     if numel:
-        block = min(1024, max(32, triton.next_power_of_2(triton.cdiv(numel, 264))))
+        block = min(1024, max(32, triton.next_power_of_2(triton.cdiv(numel, TARGET_PROGRAMS))))
         _sum_splits_kernel[(triton.cdiv(numel, block),)](part, out, numel, SPLIT=part.shape[0], BLOCK=block,
                                                          num_warps=max(1, min(4, block // 128)),
                                                          enable_fp_fusion=False)
