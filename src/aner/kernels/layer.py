@@ -153,9 +153,10 @@ def _rms_backward_kernel(dout, s, w, r, ds, dx, dy, part, M, D, ROWS: tl.constex
     # A constexpr trip count: the interpreter cannot run a runtime bound.
     for i in range(0, ROWS, STEP):
         rows = pid * ROWS + i + tl.arange(0, STEP)
-        inside = (rows < M)[:, None] & mask[None, :]
+        live = rows < M
+        inside = live[:, None] & mask[None, :]
         ofs = rows.to(tl.int64)[:, None] * D + d[None, :]
-        rr = tl.load(r + rows, mask=rows < M, other=0.0)
+        rr = tl.load(r + rows, mask=live, other=0.0)
         g = tl.load(dout + ofs, mask=inside, other=0.0).to(tl.float32)
         shat = tl.load(s + ofs, mask=inside, other=0.0) * rr[:, None]      # the forward's s * r, same bits
         gw = g * wv[None, :]
