@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU evidence, in stages, on the GPU machine (each stage fits one 10-minute call):
-#   device run, carry [".whl"]:  bash benchmarks/gpu_run.sh tests profiles kernels lora adamw norms throughput
-#   tests       tests/test_gpu.py, test_kernels.py, test_lora_kernels.py, test_adamw_kernel.py -> gpu-tests.log
+#   device run, carry [".whl"]:  bash benchmarks/gpu_run.sh tests profiles kernels lora adamw norms attention throughput
+#   tests       tests/test_gpu.py, test_kernels.py, test_lora_kernels.py, test_adamw_kernel.py, test_attention.py -> gpu-tests.log
 #               (TESTS="pytest arguments" narrows it; quotes inside it are honoured:
 #               TESTS="tests/test_kernels.py -k 'fast or exact'")
 #   profiles    benchmarks/gpu_profiles.py (the profile matrix)      -> <date>-h200-profiles.json
@@ -11,6 +11,7 @@
 #               (LORA=--sweep: the tile grid at every shape of a Llama-3.2-1B and Llama-3.1-8B update)
 #   adamw       benchmarks/adamw.py (ours against torch.optim.AdamW) -> <date>-h200-adamw.json
 #   norms       benchmarks/norm_kernels.py (RMSNorm backward, sum_splits) -> <date>-h200-norm-kernels.json
+#   attention   benchmarks/attention.py (fused causal attention against PyTorch's) -> <date>-h200-attention.json
 #   throughput  benchmarks/throughput.py (ours against the peer)     -> <date>-h200.json
 #               (COMBOS="model:method ..." narrows it)
 #   profile     where one update's GPU time goes (SmolLM2 and Llama-3.2-1B LoRA, eager loop:
@@ -31,13 +32,14 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 for stage in "$@"; do
   echo "== $stage $(date +%T)"
   case $stage in
-    tests) eval "python3 -m pytest -q -p no:cacheprovider ${TESTS:-tests/test_gpu.py tests/test_kernels.py tests/test_lora_kernels.py tests/test_adamw_kernel.py}" 2>&1 \
+    tests) eval "python3 -m pytest -q -p no:cacheprovider ${TESTS:-tests/test_gpu.py tests/test_kernels.py tests/test_lora_kernels.py tests/test_adamw_kernel.py tests/test_attention.py}" 2>&1 \
              | tee "$OUT/gpu-tests.log" | tail -n 30 ;;
     profiles) python3 benchmarks/gpu_profiles.py "$OUT/$day-h200-profiles.json" 2>&1 | tee "$OUT/gpu-profiles.log" ;;
     kernels) python3 benchmarks/nf4_kernels.py "$OUT/$day-h200-nf4-kernels.json" ${KERNELS:-} 2>&1 | tee "$OUT/nf4-kernels.log" | tail -n 40 ;;
     adamw) python3 benchmarks/adamw.py "$OUT/$day-h200-adamw.json" --device cuda:0 --models smollm2-135m llama-3.2-1b 2>&1 \
              | tee "$OUT/adamw.log" ;;
     norms) python3 benchmarks/norm_kernels.py "$OUT/$day-h200-norm-kernels.json" 2>&1 | tee "$OUT/norm-kernels.log" ;;
+    attention) python3 benchmarks/attention.py "$OUT/$day-h200-attention.json" 2>&1 | tee "$OUT/attention.log" ;;
     lora) python3 benchmarks/lora_kernels.py "$OUT/$day-h200-lora-kernels.json" ${LORA:-} 2>&1 | tee "$OUT/lora-kernels.log" | tail -n 60 ;;
     throughput) python3 benchmarks/throughput.py "$OUT/$day-h200.json" ${COMBOS:-} 2>&1 | tee "$OUT/throughput.log" ;;
     profile) for c in ${PROFILES:-smollm2-135m:lora:eager llama-3.2-1b:lora:eager}; do python3 benchmarks/throughput.py --profile $c; done 2>&1 \

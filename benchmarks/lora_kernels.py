@@ -64,7 +64,9 @@ def update_calls(D, KV, F):
 
 def grid(op):
     if op == "expand":
-        return [T(bm, bn, warps=w) for bm, bn, w in itertools.product((32, 64, 128), (64, 128, 256), (4, 8))]
+        return ([T(bm, bn, warps=w, stages=st) for bm, bn, w, st in
+                 itertools.product((32, 64, 128), (64, 128, 256), (4, 8), (1, 2))]
+                + [T(64, 128, split=s) for s in (4, 8, 16, 64, 128)])
     return [T(bm, bn, warps=w, stages=st) for bm, bn, w, st in
             itertools.product((64, 128, 256), (32, 64, 128), (4, 8), (2, 3, 4)) if bm * bn * st <= 65536]
 

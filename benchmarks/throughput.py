@@ -44,7 +44,7 @@ from aner import gen  # noqa: E402
 from aner.data.supervised import Example, TrainingData  # noqa: E402
 from aner.model import names  # noqa: E402
 from aner.model.config import LlamaConfig  # noqa: E402
-from aner.model.handle import PretrainedModel, Source  # noqa: E402
+from aner.model.handle import PretrainedModel, Source, check_device  # noqa: E402
 
 DEV = "cuda:0"
 BATCH, SEQ = 8, 1024
@@ -67,16 +67,18 @@ def model_config(name: str) -> LlamaConfig:
 
 
 def random_model(name: str) -> PretrainedModel:
-    """A random-weight model of `name`'s shape on the GPU (std 0.02 matrices, unit norms)."""
+    """A random-weight model of `name`'s shape on the GPU (std 0.02 matrices, unit norms), placed
+    as `gen.import_model` places one: under the library's deterministic CUDA policy."""
+    device = check_device(DEV)
     config = model_config(name)
-    g = torch.Generator(device=DEV).manual_seed(0)
+    g = torch.Generator(device=device).manual_seed(0)
     weights = {}
     for tensor, (_, role, shape) in names.expected(config).items():
-        weights[tensor] = torch.ones(shape, device=DEV) if role == "norm" else \
-            torch.randn(shape, device=DEV, generator=g) * 0.02
+        weights[tensor] = torch.ones(shape, device=device) if role == "norm" else \
+            torch.randn(shape, device=device, generator=g) * 0.02
     source = Source(path=f"random {name}", sha256="0" * 64, canonical_sha256="0" * 64,
                     tokenizer_sha256="random", config=config, fields=(), metadata_path="")
-    return PretrainedModel(source=source, weights=weights, device=DEV, budget=64 << 30)
+    return PretrainedModel(source=source, weights=weights, device=device, budget=64 << 30)
 
 
 def data(vocab: int):

@@ -42,10 +42,10 @@ from .splits import sum_splits
 
 @dataclass(frozen=True)
 class Tiles:
-    """One launch's tiles: bm rows (tokens) x bn columns; split: parts of the reduced dimension
-    of project and reduce_tokens (0: enough parts for TARGET_PROGRAMS programs); tc: products on
-    the tensor cores through BF16 parts (`fp32.fp32_dot`), else FP32 FMAs; stages: the software
-    pipeline's depth of the loops of project and reduce_tokens."""
+    """One launch's tiles: bm rows (tokens) x bn columns; split: parts of the dimension a
+    program loops over (the reduced one of project and reduce_tokens, expand's rows; 0: enough
+    parts for TARGET_PROGRAMS programs); tc: products on the tensor cores through BF16 parts
+    (`fp32.fp32_dot`), else FP32 FMAs; stages: the software pipeline's depth of those loops."""
     bm: int
     bn: int
     warps: int = 4
@@ -78,27 +78,30 @@ def _project_kernel(p, w, out, M, N, R, stride_wr, stride_wn, STEPS: tl.constexp
 
 
 @triton.jit
-def _expand_kernel(q, w, base, out, M, N, R, stride_qm, stride_wn, stride_wr,
+def _expand_kernel(q, w, base, out, M, N, R, stride_qm, stride_wn, stride_wr, STEPS: tl.constexpr,
                    HAS_BASE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, RP: tl.constexpr,
                    TC: tl.constexpr):
     """out (M, N) = base + q (M, R) @ w^T for q given by its row stride and w (N, R) by its
-    strides; FP32, one rounding."""
-    offs_m = tl.program_id(0) * BM + tl.arange(0, BM)
-    offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
+    strides; FP32, one rounding. Program (j, s) writes column tile j of row tiles
+    [s, s + 1) * STEPS, loading its tile of w once."""
+    offs_n = tl.program_id(0) * BN + tl.arange(0, BN)
+    pid_s = tl.program_id(1)
     offs_r = tl.arange(0, RP)
-    m_mask = offs_m < M
     n_mask = offs_n < N
     r_mask = offs_r < R
-    qt = tl.load(q + offs_m.to(tl.int64)[:, None] * stride_qm + offs_r[None, :],
-                 mask=m_mask[:, None] & r_mask[None, :], other=0.0)               # (BM, RP)
     wt = tl.load(w + offs_r[:, None] * stride_wr + offs_n[None, :] * stride_wn,
                  mask=r_mask[:, None] & n_mask[None, :], other=0.0)                # (RP, BN)
-    acc = fp32_dot(qt, wt, tl.zeros((BM, BN), dtype=tl.float32), False, TC)
-    ofs = offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
-    mask = m_mask[:, None] & n_mask[None, :]
-    if HAS_BASE:
-        acc += tl.load(base + ofs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out + ofs, acc.to(out.dtype.element_ty), mask=mask)
+    for i in range(0, STEPS):
+        offs_m = (pid_s * STEPS + i) * BM + tl.arange(0, BM)
+        m_mask = offs_m < M
+        qt = tl.load(q + offs_m.to(tl.int64)[:, None] * stride_qm + offs_r[None, :],
+                     mask=m_mask[:, None] & r_mask[None, :], other=0.0)           # (BM, RP)
+        acc = fp32_dot(qt, wt, tl.zeros((BM, BN), dtype=tl.float32), False, TC)
+        ofs = offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
+        mask = m_mask[:, None] & n_mask[None, :]
+        if HAS_BASE:
+            acc += tl.load(base + ofs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out + ofs, acc.to(out.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -135,8 +138,8 @@ def default_tiles(op: str, R: int) -> Tiles:
     wide = _rank_tile(R) > 64
     if op == "project":
         return Tiles(128, 32) if wide else Tiles(128, 64, warps=8, stages=3)
-    if op == "expand":
-        return Tiles(64, 64 if wide else 128)
+    if op == "expand":   # 64 parts of the rows: two 64-row tiles a program at 8192 tokens
+        return Tiles(64, 64 if wide else 128, split=64)
     return Tiles(128, 32) if wide else Tiles(64, 128, stages=3)
 
 
@@ -169,12 +172,13 @@ def expand(q: torch.Tensor, w: torch.Tensor, base: torch.Tensor | None, dtype: t
     assert q.stride(1) == 1
     N = w.shape[0]
     t = tiles or default_tiles("expand", R)
+    split, per = _parts(triton.cdiv(N, t.bn), triton.cdiv(M, t.bm), t.split)
     out = torch.empty(M, N, device=q.device, dtype=dtype)
     if M:
-        _expand_kernel[(triton.cdiv(M, t.bm), triton.cdiv(N, t.bn))](
-            q, w, q if base is None else base, out, M, N, R, q.stride(0), w.stride(0), w.stride(1),
+        _expand_kernel[(triton.cdiv(N, t.bn), split)](
+            q, w, q if base is None else base, out, M, N, R, q.stride(0), w.stride(0), w.stride(1), STEPS=per,
             HAS_BASE=base is not None, BM=t.bm, BN=t.bn, RP=_rank_tile(R), TC=t.tc,
-            num_warps=t.warps, num_stages=1)
+            num_warps=t.warps, num_stages=t.stages)
     return out
 
 

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from . import names
-from .llama import Block, Dense, Llama, RMSNorm, rope, swiglu
+from .llama import Block, Dense, Llama, RMSNorm, attend, rope, swiglu
 
 
 def weight_module(weight, device_copy=None, decoded=False) -> nn.Module:
@@ -23,12 +23,14 @@ def build(config, weights: dict, method=None, adapter_tensors: dict | None = Non
           nf4_kernel: str = "fused") -> Llama:
     """`device_copies`: name -> GPU copy of a packed weight, for the fused or decoded NF4 kernels
     (`nf4_kernel`); `adapter_kernel`, `layer_kernel`: the training profile's choices for the
-    adapters' products and for RMSNorm, RoPE, SwiGLU (and, in the loss, the head's cross-entropy)."""
+    adapters' products and for RMSNorm, RoPE, SwiGLU, attention (and, in the loss, the head's
+    cross-entropy)."""
     table = names.expected(config)
     device_copies = device_copies or {}
-    norm, rotate, gate = RMSNorm, rope, swiglu
+    norm, rotate, gate, att = RMSNorm, rope, swiglu, attend
     if layer_kernel == "fused":
         from ..kernels.layer import FusedRMSNorm, rope as rotate, swiglu as gate  # noqa: F811 Triton only when chosen
+        from ..kernels.attention import attend as att  # noqa: F811
         norm = FusedRMSNorm
     modules = {}
     for name, (path, role, _) in table.items():
@@ -42,6 +44,6 @@ def build(config, weights: dict, method=None, adapter_tensors: dict | None = Non
     for i in range(config.n_layer):
         per = {path.split(".")[-1]: modules[name] for name, (path, _, _) in table.items()
                if name.startswith(f"blk.{i}.")}
-        layers.append(Block(config, per, rotate, gate))
+        layers.append(Block(config, per, rotate, gate, att))
     output = modules.get("output.weight")
     return Llama(config, modules["token_embd.weight"], layers, modules["output_norm.weight"], output)

@@ -148,6 +148,12 @@ def swiglu(gate, up):
     return F.silu(gate) * up
 
 
+def attend(q, k, v):
+    """Causal attention, query head h reading key/value head h // (H / K) as llama.cpp does (a
+    fused kernel may stand in)."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
+
+
 def shared_input(x, modules):
     """The outputs of projections that read the same x. A module type with `joint(x, modules)`
     (the fused adapters, trained dense weights) takes a group of its own kind together; otherwise
@@ -159,10 +165,10 @@ def shared_input(x, modules):
 
 
 class Block(nn.Module):
-    def __init__(self, config: LlamaConfig, modules: dict[str, nn.Module], rope=rope, swiglu=swiglu):
+    def __init__(self, config: LlamaConfig, modules: dict[str, nn.Module], rope=rope, swiglu=swiglu, attend=attend):
         super().__init__()
         self.config = config
-        self.rope, self.swiglu = rope, swiglu
+        self.rope, self.swiglu, self.attend = rope, swiglu, attend
         for name, module in modules.items():  # attn_norm, attn_q ... ffn_down (names.PER_LAYER)
             self.add_module(name, module)
 
@@ -174,10 +180,7 @@ class Block(nn.Module):
         k = k.view(B, T, c.n_kv_head, c.head_dim).transpose(1, 2)    # (B, K, T, E)
         v = v.view(B, T, c.n_kv_head, c.head_dim).transpose(1, 2)    # (B, K, T, E)
         q, k = self.rope(q, cos, sin, v.dtype), self.rope(k, cos, sin, v.dtype)
-        # enable_gqa maps query head h to key/value head h // (H/K), as llama.cpp does.
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                           enable_gqa=c.n_kv_head != c.n_head)  # (B, H, T, E)
-        y = y.transpose(1, 2).reshape(B, T, c.dim)                               # (B, T, D)
+        y = self.attend(q, k, v).transpose(1, 2).reshape(B, T, c.dim)              # (B, T, D)
         return self.attn_output(y)
 
     def mlp(self, x):

@@ -15,10 +15,11 @@
     cuda_graphs false | true                  replay each micro-batch shape's recorded kernels
                                               (`graphs.py`): the same bits, without the host's
                                               per-kernel cost; the recording keeps its memory
-    layer_kernel torch | fused                how RMSNorm, RoPE, SwiGLU and the head's cross-
-                                              entropy run on a GPU: torch ops, or Triton kernels
-                                              that read and write each activation once
-                                              (`kernels/layer.py`, `kernels/cross_entropy.py`).
+    layer_kernel torch | fused                how RMSNorm, RoPE, SwiGLU, attention and the head's
+                                              cross-entropy run on a GPU: torch ops, or Triton
+                                              kernels that read and write each activation once
+                                              (`kernels/layer.py`, `kernels/attention.py`,
+                                              `kernels/cross_entropy.py`).
                                               RoPE gives the same bits; RMSNorm adds the block
                                               output to the residual stream in its own pass (the
                                               same sum), sums its squares in another order and
@@ -26,7 +27,9 @@
                                               operand dtype (rounded once, as the casts did), so
                                               the gradients of q, k, v (gate, up) meet in that
                                               dtype; SwiGLU rounds once where the torch ops
-                                              round silu(gate) first; the loss is the same FP32
+                                              round silu(gate) first; attention (FP16/BF16, head
+                                              widths 16-128) keeps the flash scheme's roundings and
+                                              is deterministic; the loss is the same FP32
                                               formula, its reductions in another order
 
 Mixed precision is an operation policy, not a conversion: master weights, their gradients, the
