@@ -33,6 +33,15 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def _row_block(H, BM: tl.constexpr):
+    """(bh, b, h, first, rows) of a program over a block of query rows: grid (B * H, row blocks),
+    the last row blocks (the most keys) first."""
+    bh = tl.program_id(0)
+    first = (tl.num_programs(1) - 1 - tl.program_id(1)) * BM
+    return bh, bh // H, bh % H, first, first + tl.arange(0, BM)
+
+
+@triton.jit
 def _fwd_step(qt, kp, vp, sk_t, sv_t, start, rows, cols, e, m, s_sum, acc, scale2, T, MASK: tl.constexpr):
     """One key block of the online softmax; MASK: the causal mask (the diagonal blocks)."""
     keys = start + cols
@@ -51,11 +60,8 @@ def _fwd_step(qt, kp, vp, sk_t, sv_t, start, rows, cols, e, m, s_sum, acc, scale
 def _fwd_kernel(q, k, v, o, lse, sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, so_b, so_h, so_t,
                 H, GROUP, T, scale2, BM: tl.constexpr, BN: tl.constexpr, E: tl.constexpr):
     """Rows [pid * BM, +BM) of head (b, h): o = softmax(q k^T) v, lse = log2 of each row's sum of
-    exp2 (scores in log2 units). BM is a multiple of BN. The last row blocks (the most keys) run
-    first."""
-    bh, pid = tl.program_id(0), tl.num_programs(1) - 1 - tl.program_id(1)
-    b, h = bh // H, bh % H
-    rows = pid * BM + tl.arange(0, BM)
+    exp2 (scores in log2 units). BM is a multiple of BN."""
+    bh, b, h, first, rows = _row_block(H, BM)
     cols = tl.arange(0, BN)
     e = tl.arange(0, E)
     live = rows < T
@@ -66,7 +72,6 @@ def _fwd_kernel(q, k, v, o, lse, sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h,
     m = tl.full((BM,), float("-inf"), tl.float32)
     s_sum = tl.zeros((BM,), tl.float32)
     acc = tl.zeros((BM, E), tl.float32)
-    first = pid * BM
     for start in range(0, first, BN):                   # keys before the block's first row
         m, s_sum, acc = _fwd_step(qt, kp, vp, sk_t, sv_t, start, rows, cols, e, m, s_sum, acc, scale2, T, False)
     for start in range(first, first + BM, BN):          # the diagonal
@@ -162,10 +167,8 @@ def _dq_step(qt, dot_, l_, d_, kp, vp, sk_t, sv_t, start, rows, cols, e, acc, sc
 def _dq_kernel(q, k, v, do, lse, delta, dq, sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t,
                sd_b, sd_h, sd_t, H, GROUP, T, scale, scale2, BM: tl.constexpr, BN: tl.constexpr, E: tl.constexpr):
     """Rows [pid * BM, +BM) of head (b, h): dQ summed over the keys they see, in order. dQ has q's
-    strides; BM is a multiple of BN. The last row blocks run first."""
-    bh, pid = tl.program_id(0), tl.num_programs(1) - 1 - tl.program_id(1)
-    b, h = bh // H, bh % H
-    rows = pid * BM + tl.arange(0, BM)
+    strides; BM is a multiple of BN."""
+    bh, b, h, first, rows = _row_block(H, BM)
     cols = tl.arange(0, BN)
     e = tl.arange(0, E)
     live = rows < T
@@ -178,7 +181,6 @@ def _dq_kernel(q, k, v, do, lse, delta, dq, sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, 
     kp = k + b.to(tl.int64) * sk_b + (h // GROUP).to(tl.int64) * sk_h
     vp = v + b.to(tl.int64) * sv_b + (h // GROUP).to(tl.int64) * sv_h
     acc = tl.zeros((BM, E), tl.float32)
-    first = pid * BM
     for start in range(0, first, BN):
         acc = _dq_step(qt, dot_, l_, d_, kp, vp, sk_t, sv_t, start, rows, cols, e, acc, scale2, T, False)
     for start in range(first, first + BM, BN):
