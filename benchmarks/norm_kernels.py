@@ -35,8 +35,7 @@ def width(D: int) -> dict:
     dout = torch.randn(ROWS, D, device="cuda", generator=g).bfloat16()
     ds = torch.randn(ROWS, D, device="cuda", generator=g)
     bd = triton.next_power_of_2(D)
-    per = triton.next_power_of_2(triton.cdiv(ROWS, L.TARGET_PROGRAMS))
-    programs = triton.cdiv(ROWS, per)
+    per, programs = L._backward_rows(ROWS)
 
     def backward(step):
         dx, dy = torch.empty_like(s), torch.empty(ROWS, D, device="cuda", dtype=torch.bfloat16)

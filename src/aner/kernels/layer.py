@@ -177,6 +177,14 @@ def _warps(block: int) -> int:
     return 16 if block >= 8192 else 8 if block >= 2048 else 4
 
 
+def _backward_rows(M: int) -> tuple[int, int]:
+    """(rows per program, programs) of a norm backward over M rows: a power of two rows each, so
+    a run with many micro-batch shapes compiles a handful of variants (one per ROWS), not one per
+    row count; a fixed function of M."""
+    per = triton.next_power_of_2(triton.cdiv(M, TARGET_PROGRAMS)) if M else 1
+    return per, max(1, triton.cdiv(M, per))
+
+
 def _step_rows(block: int) -> int:
     """Rows a norm backward program loads at once: a tile of 4096 elements (8192 rows of 576: 28
     against 53 us a row at a time; of 2048: 75 against 91; of 4096, one row: 146 against 188 for two)."""
@@ -208,10 +216,7 @@ class _RMSNorm(torch.autograd.Function):
         M, D = s.shape
         bd = triton.next_power_of_2(D)
         has_dw = ctx.needs_input_grad[2]
-        # Rows per program: a power of two, so a run with many micro-batch shapes compiles a
-        # handful of variants (one per ROWS), not one per row count; a fixed function of M.
-        per = triton.next_power_of_2(triton.cdiv(M, TARGET_PROGRAMS)) if M else 1
-        programs = max(1, triton.cdiv(M, per))
+        per, programs = _backward_rows(M)
         dx = torch.empty_like(s)
         dy = None if ctx.y_dtype is None else torch.empty(M, D, device=s.device, dtype=ctx.y_dtype)
         part = torch.empty(programs, D, device=s.device, dtype=torch.float32) if has_dw else None
