@@ -220,6 +220,39 @@ def test_fast_variants_partial_tiles(shape_m, double_quant, dtype, pair):
     check_close(K.nf4_matmul_t(g, p, config=pair[1]), g.double() @ W, g.double().abs() @ W.abs(), dtype, g)
 
 
+HOPPER = not INTERPRET and torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
+@pytest.mark.skipif(not HOPPER, reason="Hopper GPU only (the warp-specialized kernels)")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("double_quant", [False, True], ids=["plain", "dq"])
+@pytest.mark.parametrize("shape_m", [((4096, 4096), 2048), ((1000, 1024), 4500), ((2048, 64), 4096),
+                                     ((136, 4096), 8192), ((49152, 576), 1000)],
+                         ids=lambda s: f"{s[0][0]}x{s[0][1]}-M{s[1]}")
+def test_warp_specialized_products(shape_m, double_quant, dtype):
+    """The default products where nf4_ws takes them: tiles partial along every dimension, one
+    step (K = 64) and an odd number of steps (N = 136 backward), several tiles a program."""
+    from aner.kernels import nf4_ws
+    (N, Kin), M = shape_m
+    _, p, W = packed((N, Kin), double_quant)
+    x, g = randn(M, Kin, dtype=dtype), randn(M, N, dtype=dtype)
+    taken = [nf4_ws.supported(x, p, False), nf4_ws.supported(g, p, True)]
+    assert any(taken)
+    if taken[0]:
+        poison(M, N, dtype=dtype)
+        y = K.nf4_matmul(x, p)
+        check_close(y, x.double() @ W.t(), x.double().abs() @ W.abs().t(), dtype, x)
+        assert torch.equal(y, K.nf4_matmul(x, p))
+        # a persistent grid (several tiles a program) sums every output in the same order
+        assert torch.equal(y, nf4_ws.nf4_ws_matmul(x, p, False, programs=K.MULTIPROCESSORS))
+    if taken[1]:
+        poison(M, Kin, dtype=dtype)
+        dx = K.nf4_matmul_t(g, p)
+        check_close(dx, g.double() @ W, g.double().abs() @ W.abs(), dtype, g)
+        assert torch.equal(dx, K.nf4_matmul_t(g, p))
+        assert torch.equal(dx, nf4_ws.nf4_ws_matmul(g, p, True, programs=K.MULTIPROCESSORS))
+
+
 @gpu_only
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", [(1823, 781), (2048, 2048)], ids=lambda s: f"{s[0]}x{s[1]}")

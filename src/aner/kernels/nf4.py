@@ -20,7 +20,9 @@ Numerics (identical to NF4Weight.dequantize(), bit for bit):
   BF16 parts (`fp32.fp32_dot`, as the adapter kernels), or with FP32 multiply-adds (tc=False).
 
 The fused products (`nf4_matmul`, `nf4_matmul_t`) hold the decoded weight only as a tile in
-registers/shared memory inside a matmul program: there is no dense copy of W on the device. The
+registers/shared memory inside a matmul program: there is no dense copy of W on the device. With
+no TileConfig given, a Hopper GPU runs the large FP16/BF16 ones through the warp-specialized
+kernels of `nf4_ws.py` (the decode in warps of its own beside the MMA's; `nf4_ws.supported`). The
 decoded products (`fused_nf4_linear(..., decoded=True)`, the profile's nf4_kernel="decoded")
 decode the whole W with `nf4_decode` into a transient buffer of the operand dtype, multiply it
 with cuBLAS and free it; backward decodes it again. Their bits are those of a dense weight equal
@@ -544,6 +546,10 @@ def _check_matrix(name: str, t, cols: int, packed: DevicePacked) -> None:
 def _launch_matmul(kernel, a, packed, M, R, Q, out_cols, config, op):
     """Shared launcher: a (M, R) @ (weight or its transpose) -> (M, out_cols), R reduced."""
     N, K = packed.shape
+    if config is None and M and a.is_cuda:
+        from . import nf4_ws        # Gluon (Triton's lower-level language): imported where it may run
+        if nf4_ws.supported(a, packed, op == "matmul_t"):
+            return nf4_ws.nf4_ws_matmul(a, packed, op == "matmul_t")
     cfg = config or default_config(op, M, N, K, a.dtype)
     cfg.check()
     out = torch.empty(M, out_cols, device=a.device, dtype=a.dtype)
