@@ -53,11 +53,13 @@ def run_variant(v):
         t = {"dense": bench(lambda: x @ wd.t()), "dense_t": bench(lambda: g @ wd),
              "triton": bench(lambda: K.nf4_matmul(x, p, K.default_config("matmul", M, N, Kin, x.dtype))),
              "triton_t": bench(lambda: K.nf4_matmul_t(g, p, K.default_config("matmul_t", M, N, Kin, x.dtype))),
-             "ws": bench(lambda: nf4_ws_matmul(x, p, False, **kw)), "ws_t": bench(lambda: nf4_ws_matmul(g, p, True, **kw))}
+             "ws": bench(lambda: nf4_ws_matmul(x, p, False, **kw)),
+             "ws_t": bench(lambda: nf4_ws_matmul(g, p, True, **kw))}
         row["problems"].append({"N": N, "K": Kin, "tokens": M, "us": t,
                                 "triton_vs_dense": [t["triton"] / t["dense"], t["triton_t"] / t["dense_t"]],
                                 "ws_vs_dense": [t["ws"] / t["dense"], t["ws_t"] / t["dense_t"]]})
-        print(VARIANTS[v], f"N{N} K{Kin} M{M}: triton {t['triton'] / t['dense']:.2f}x/{t['triton_t'] / t['dense_t']:.2f}x"
+        print(VARIANTS[v], f"N{N} K{Kin} M{M}: triton {t['triton'] / t['dense']:.2f}x"
+              f"/{t['triton_t'] / t['dense_t']:.2f}x"
               f" ws {t['ws'] / t['dense']:.2f}x/{t['ws_t'] / t['dense_t']:.2f}x (forward/input gradient vs dense)",
               file=sys.stderr, flush=True)
     return row
@@ -73,7 +75,8 @@ def main():
             done = subprocess.run([sys.executable, __file__, "--variant", str(v)], capture_output=True, text=True,
                                   timeout=120)
             sys.stderr.write(done.stderr[-2000:])
-            rows.append(json.loads(done.stdout) if done.returncode == 0 else {"variant": VARIANTS[v], "error": done.stderr[-500:]})
+            rows.append(json.loads(done.stdout) if done.returncode == 0
+                        else {"variant": VARIANTS[v], "error": done.stderr[-500:]})
         except subprocess.TimeoutExpired:
             rows.append({"variant": VARIANTS[v], "error": "timed out after 120 s"})
     with open(sys.argv[1], "w") as f:
