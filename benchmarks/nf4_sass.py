@@ -61,78 +61,62 @@ def compile_kernel(op: str, cfg: K.TileConfig, M: int, N: int, Kin: int, dtype="
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm["cubin"]
 
 
-def loop_report(cubin: bytes) -> str:
+def disassemble(cubin: bytes) -> tuple[str, str, list[list[str]], str]:
+    """(registers, stack bytes, every loop's body from a backward branch's target to it, the SASS)."""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
         sass = subprocess.run([os.path.join(BIN, "cuobjdump"), "-sass", f.name], capture_output=True, text=True).stdout
         usage = subprocess.run([os.path.join(BIN, "cuobjdump"), "-res-usage", f.name], capture_output=True,
                                text=True).stdout.strip().splitlines()[-1]
-    at = {int(a, 16): text for a, text in re.findall(r"/\*([0-9a-f]{4})\*/\s+([^;]*);", sass)}
-    loop = []
+    at = {int(a, 16): text for a, text in re.findall(r"/\*([0-9a-f]{4,5})\*/\s+([^;]*);", sass)}
+    loops = []
     for addr, text in at.items():
         m = re.search(r"BRA (0x[0-9a-f]+)", text)
         if m and int(m.group(1), 16) < addr:
-            body = [at[a] for a in sorted(at) if int(m.group(1), 16) <= a <= addr]
-            if any("HGMMA" in b for b in body) and len(body) > len(loop):
-                loop = body
-    ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", b).split()[0].split(".")[0] for b in loop)
+            loops.append([at[a] for a in sorted(at) if int(m.group(1), 16) <= a <= addr])
     regs = re.search(r"REG:(\d+) STACK:(\d+)", usage)
-    return (f"regs {regs.group(1)} stack {regs.group(2)} | loop {len(loop)} instrs: "
-            + ", ".join(f"{k} {v}" for k, v in ops.most_common(10)))
+    return regs.group(1), regs.group(2), loops, sass
+
+
+def opcodes(body: list[str], n: int) -> str:
+    ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", b).split()[0].split(".")[0] for b in body)
+    return f"{len(body)} instrs: " + ", ".join(f"{k} {v}" for k, v in ops.most_common(n))
+
+
+def loop_report(cubin: bytes) -> str:
+    """Registers, stack and the main loop (the longest around an HGMMA) of a Triton NF4 kernel."""
+    regs, stack, loops, _ = disassemble(cubin)
+    loop = max((body for body in loops if any("HGMMA" in b for b in body)), key=len, default=[])
+    return f"regs {regs} stack {stack} | loop {opcodes(loop, 10)}"
 
 
 def ws_report(trans: bool, M=2048, N=4096, Kin=4096) -> str:
-    from triton.experimental.gluon import language as gl
+    """The same for the warp-specialized kernel at its defaults: its partitions' registers, and the
+    innermost loop of the decode partitions (shared-memory stores) and of the MMA partition."""
     from triton.experimental.gluon._runtime import GluonASTSource
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     from triton.runtime.jit import mangle_type
 
     from aner.kernels import nf4_ws as W
 
-    bm, dw, dregs, stages = 256, 4, 72, (4, 4, 8)       # nf4_ws_matmul's defaults
     a = torch.empty(M, N if trans else Kin, dtype=torch.bfloat16)
-    a_desc = TensorDescriptor.from_tensor(a, [bm, W.STEP],
-                                          gl.NVMMASharedLayout.get_default_for([bm, W.STEP], gl.bfloat16))
-    rows, grps = (W.STEP, W.BO // 64) if trans else (W.BO, 1)
-    words = torch.empty(N, Kin // 64, 8, dtype=torch.int32)
-    c_desc = TensorDescriptor.from_tensor(words, [rows, grps, 8],
-                                          gl.NVMMASharedLayout.get_default_for([rows, grps, 8], gl.int32))
+    a_desc, c_desc, const, options = W.specialization(a, torch.empty(N, Kin // 64, 8, dtype=torch.int32), trans)
+    const = dict(const, DQ=True, num_warps=options["num_warps"])
     names = W._nf4_ws_kernel.arg_names
-    signature = {"a_desc": mangle_type(a_desc), "c_desc": mangle_type(c_desc), "out": "*bf16", "absmax": "*fp32",
-                 "acodes": "*u8", "ascales": "*fp32", "aoffset": "*fp32", "dyncb": "*fp32",
-                 "M": "i32", "N": "i32", "K": "i32", "O": "i32", "steps": "i32"}
-    const = dict(W_LAYOUT=gl.NVMMASharedLayout.get_default_for([rows, grps * 64], gl.bfloat16), W_ROWS=rows,
-                 W_COLS=grps * 64, TRANS=trans, DQ=True, GROUP=W.GROUP_M, AS=stages[0], WS=stages[1],
-                 CS=stages[2], DW=dw, DREGS=dregs, SKIP=False, num_warps=bm // 32)
-    signature.update({k: "constexpr" for k in const})
-    pointers = ("out", "absmax", "acodes", "ascales", "aoffset", "dyncb")
+    pointers = {"out": "bf16", "absmax": "fp32", "acodes": "u8", "ascales": "fp32", "aoffset": "fp32", "dyncb": "fp32"}
+    signature = {"a_desc": mangle_type(a_desc), "c_desc": mangle_type(c_desc),
+                 **{k: "*" + v for k, v in pointers.items()}, **{k: "i32" for k in ("M", "N", "K", "O", "steps")},
+                 **{k: "constexpr" for k in const}}
     attrs = {(names.index(k),): [["tt.divisibility", 16]] for k in pointers}
     src = GluonASTSource(W._nf4_ws_kernel, signature, {(names.index(k),): v for k, v in const.items()}, attrs)
-    options = dict(num_warps=bm // 32, maxnreg=65536 // (32 * (bm // 32 + 2 * dw)) // 8 * 8, enable_fp_fusion=False)
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(kernel.asm["cubin"])
-        f.flush()
-        sass = subprocess.run([os.path.join(BIN, "cuobjdump"), "-sass", f.name], capture_output=True, text=True).stdout
-        usage = subprocess.run([os.path.join(BIN, "cuobjdump"), "-res-usage", f.name], capture_output=True,
-                               text=True).stdout.strip().splitlines()[-1]
-    at = {int(a, 16): text for a, text in re.findall(r"/\*([0-9a-f]{4,5})\*/\s+([^;]*);", sass)}
-    loops = {}
-    for addr, text in at.items():                       # the innermost loop around each kind of work
-        m = re.search(r"BRA (0x[0-9a-f]+)", text)
-        if m and int(m.group(1), 16) < addr:
-            body = [at[b] for b in sorted(at) if int(m.group(1), 16) <= b <= addr]
-            stores, mmas = any("STS.128" in b for b in body), any("HGMMA" in b for b in body)
-            kind = "decode" if stores and not mmas else "mma" if mmas and not stores else None
-            if kind and (kind not in loops or len(body) < len(loops[kind])):
-                loops[kind] = body
-    regs = re.search(r"REG:(\d+) STACK:(\d+)", usage)
+    regs, stack, loops, sass = disassemble(kernel.asm["cubin"])
     part = sorted({int(v, 16) for v in re.findall(r"USETMAXREG\.\w+\.CTAPOOL (?:UP0, )?(0x[0-9a-f]+)", sass)})
-    out = [f"regs {regs.group(1)} stack {regs.group(2)}, shared {kernel.metadata.shared} B, setmaxnreg {part}"]
-    for kind, body in sorted(loops.items()):
-        ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", b).split()[0].split(".")[0] for b in body)
-        out.append(f"{kind} loop {len(body)} instrs: " + ", ".join(f"{k} {v}" for k, v in ops.most_common(8)))
+    out = [f"regs {regs} stack {stack}, shared {kernel.metadata.shared} B, setmaxnreg {part}"]
+    for kind, has, lacks in (("decode", "STS.128", "HGMMA"), ("mma", "HGMMA", "STS.128")):
+        inner = [body for body in loops if any(has in b for b in body) and not any(lacks in b for b in body)]
+        if inner:
+            out.append(f"{kind} loop {opcodes(min(inner, key=len), 8)}")
     return " | ".join(out)
 
 

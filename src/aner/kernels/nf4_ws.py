@@ -252,7 +252,10 @@ def _nf4_ws_kernel(a_desc, c_desc, out, absmax, acodes, ascales, aoffset, dyncb,
 _GL = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 
 
-def supported(a: torch.Tensor, packed, trans: bool, bm: int = 256) -> bool:
+BM = 256            # tokens a tile: two warpgroups of the MMA partition, 128 rows each
+
+
+def supported(a: torch.Tensor, packed, trans: bool) -> bool:
     """Whether the warp-specialized kernel takes a @ W^T (a @ W with `trans`): a Hopper GPU,
     FP16/BF16, whole NF4 blocks in every row, TMA-aligned rows, and at least a wave of tiles
     (it has no split of the reduced dimension; the Triton kernels do)."""
@@ -260,34 +263,42 @@ def supported(a: torch.Tensor, packed, trans: bool, bm: int = 256) -> bool:
     O = K if trans else N
     return (a.is_cuda and a.dtype in _GL and torch.cuda.get_device_capability(a.device)[0] == 9
             and K % 64 == 0 and (not trans or N % 8 == 0) and a.data_ptr() % 16 == 0
-            and -(-a.shape[0] // bm) * -(-O // BO) >= MULTIPROCESSORS)
+            and -(-a.shape[0] // BM) * -(-O // BO) >= MULTIPROCESSORS)
 
 
-def nf4_ws_matmul(a, packed, trans, bm=256, dw=4, dregs=72, stages=(4, 4, 8), skip=False, programs=None):
-    """a (M, K) @ W^T, or with `trans` a (M, N) @ W, in a's dtype: bm tokens a tile (32 a warp of
-    the MMA partition), two decode partitions of dw warps at dregs registers, the (activation,
-    weight, code) ring depths, and `programs` programs, each walking every programs-th tile (default:
-    one a tile: a persistent grid of one a multiprocessor was 5-10% faster on two of three shapes
-    at 8192 tokens, 5% slower on the third, and 1.42x or 2.02x dense at 2048 in two calls; NOTES)."""
+def specialization(a, words, trans, bm=BM, dw=4, dregs=72, stages=(4, 4, 8), skip=False):
+    """The TMA descriptors of `a` and the (N, K / 64, 8) int32 code words, the kernel's
+    compile-time constants (but DQ) and its launch options: bm tokens a tile (32 a warp of the MMA
+    partition), two decode partitions of dw warps at dregs registers, the (activation, weight,
+    code) ring depths. Host tensors give what a compile-only report needs."""
+    dt = _GL[a.dtype]
+    a_desc = TensorDescriptor.from_tensor(a, [bm, STEP], gl.NVMMASharedLayout.get_default_for([bm, STEP], dt))
+    rows, grps = (STEP, BO // 64) if trans else (BO, 1)
+    c_desc = TensorDescriptor.from_tensor(words, [rows, grps, 8],
+                                          gl.NVMMASharedLayout.get_default_for([rows, grps, 8], gl.int32))
+    const = dict(W_LAYOUT=gl.NVMMASharedLayout.get_default_for([rows, grps * 64], dt), W_ROWS=rows,
+                 W_COLS=grps * 64, TRANS=trans, GROUP=GROUP_M, AS=stages[0], WS=stages[1], CS=stages[2],
+                 DW=dw, DREGS=dregs, SKIP=skip)
+    warps = bm // 32
+    options = dict(num_warps=warps, maxnreg=65536 // (32 * (warps + 2 * dw)) // 8 * 8, enable_fp_fusion=False)
+    return a_desc, c_desc, const, options
+
+
+def nf4_ws_matmul(a, packed, trans, programs=None, **tiles):
+    """a (M, K) @ W^T, or with `trans` a (M, N) @ W, in a's dtype (`tiles`: `specialization`'s),
+    with `programs` programs, each walking every programs-th tile (default: one a tile: a
+    persistent grid of one a multiprocessor was 5-10% faster on two of three shapes at 8192
+    tokens, 5% slower on the third, and 1.42x or 2.02x dense at 2048 in two calls; NOTES)."""
     N, Kin = packed.shape
     M = a.shape[0]
     O = Kin if trans else N
     out = torch.empty(M, O, device=a.device, dtype=a.dtype)
-    dt = _GL[a.dtype]
-    a_desc = TensorDescriptor.from_tensor(a, [bm, STEP], gl.NVMMASharedLayout.get_default_for([bm, STEP], dt))
-    rows, grps = (STEP, BO // 64) if trans else (BO, 1)
     words = packed.codes.view(torch.int32).view(N, Kin // 64, 8)
-    c_desc = TensorDescriptor.from_tensor(words, [rows, grps, 8],
-                                          gl.NVMMASharedLayout.get_default_for([rows, grps, 8], gl.int32))
-    w_layout = gl.NVMMASharedLayout.get_default_for([rows, grps * 64], dt)
+    a_desc, c_desc, const, options = specialization(a, words, trans, **tiles)
     steps = -(-N // STEP) if trans else Kin // STEP
-    warps = bm // 32
-    tiles = -(-M // bm) * -(-O // BO)
-    programs = min(tiles, programs or tiles)
+    count = -(-M // a_desc.block_shape[0]) * -(-O // BO)
     _, absmax, acodes, ascales, aoffset, _, dyncb = packed._args()
-    _nf4_ws_kernel[(programs,)](
+    _nf4_ws_kernel[(min(count, programs or count),)](
         a_desc, c_desc, out, absmax, acodes, ascales, aoffset, dyncb, M, N, Kin, O, steps,
-        W_LAYOUT=w_layout, W_ROWS=rows, W_COLS=grps * 64, TRANS=trans, DQ=packed.double_quant, GROUP=GROUP_M,
-        AS=stages[0], WS=stages[1], CS=stages[2], DW=dw, DREGS=dregs, SKIP=skip, num_warps=warps,
-        maxnreg=65536 // (32 * (warps + 2 * dw)) // 8 * 8, enable_fp_fusion=False)
+        DQ=packed.double_quant, **const, **options)
     return out
