@@ -15,6 +15,9 @@
 #   attention   benchmarks/attention.py (fused causal attention against PyTorch's) -> <date>-h200-attention.json
 #   throughput  benchmarks/throughput.py (ours against the peer)     -> <date>-h200.json
 #               (COMBOS="model:method ..." narrows it)
+#   ab          ours only, an earlier tree against this one, alternated ROUNDS times (default 2), one
+#               process each: OLD=a folder holding that tree's src/ and benchmarks/throughput.py
+#               (e.g. `git archive HEAD~1 src benchmarks/throughput.py | tar -x -C .whl/old`) -> ab.log
 #   profile     where one update's GPU time goes (SmolLM2 and Llama-3.2-1B LoRA, eager loop:
 #               the kernels a recorded graph replays; PROFILES="model:method:eager ..." chooses)
 # Results land in $OUT. Prepare .whl (an ignored folder) here first:
@@ -44,6 +47,10 @@ for stage in "$@"; do
     attention) python3 benchmarks/attention.py "$OUT/$day-h200-attention.json" 2>&1 | tee "$OUT/attention.log" ;;
     lora) python3 benchmarks/lora_kernels.py "$OUT/$day-h200-lora-kernels.json" ${LORA:-} 2>&1 | tee "$OUT/lora-kernels.log" | tail -n 60 ;;
     throughput) python3 benchmarks/throughput.py "$OUT/$day-h200.json" ${COMBOS:-} 2>&1 | tee "$OUT/throughput.log" ;;
+    ab) for round in $(seq "${ROUNDS:-2}"); do for tree in "$OLD" "$PWD"; do
+          name=$([ "$tree" = "$PWD" ] && echo new || echo old)
+          python3 "$tree/benchmarks/throughput.py" "/tmp/ab-$name-$round.json" --no-peer ${COMBOS:-} 2>&1 | sed "s/^/$name /"
+        done; done | tee "$OUT/ab.log" ;;
     profile) for c in ${PROFILES:-smollm2-135m:lora:eager llama-3.2-1b:lora:eager}; do python3 benchmarks/throughput.py --profile $c; done 2>&1 \
                | tee "$OUT/profile.log" | grep -v "^-" | cut -c1-160 | head -n 90 ;;
     *) echo "unknown stage $stage"; exit 2 ;;

@@ -90,6 +90,22 @@ def test_exact_resume_matrix(tiny_path, data, tmp_path, storage, method, kernel,
     assert src.updates() == 0
 
 
+def recording(kept_casts, record):
+    """`kept_casts` that calls record(model, trainable, casts) once the casts are made."""
+    @contextlib.contextmanager
+    def wrapped(model, trainable, profile):
+        with kept_casts(model, trainable, profile) as casts:
+            record(model, trainable, casts)
+            yield casts
+    return wrapped
+
+
+@contextlib.contextmanager
+def no_kept_casts(model, trainable, profile):
+    """`kept_casts` that keeps none: every forward casts its weights."""
+    yield {}
+
+
 @pytest.mark.parametrize("graphs", [False, True])
 @pytest.mark.parametrize("optimizer", ["adamw", "paged_adamw"])
 @pytest.mark.parametrize("precision", ["float16", "bfloat16"])
@@ -103,20 +119,15 @@ def test_kept_casts_follow_their_weights(tiny_path, data, monkeypatch, precision
         precision=precision, optimizer=optimizer, page_bytes=PAGE, cuda_graphs=graphs, layer_kernel="fused")
     kw = dict(micro_batch=2, accumulation=2, rate=1e-3, seed=4)
     kept, checked = [], []
-    real_kept, real_clip = loop.kept_casts, loop.clip_divisor
-
-    @contextlib.contextmanager
-    def recording(model, trainable, profile):
-        with real_kept(model, trainable, profile) as casts:
-            kept.append((casts, trainable))
-            yield casts
+    real_clip = loop.clip_divisor
 
     def checking(grads, clip_norm):
         casts, trainable = kept[-1]
         checked.append(all(torch.equal(c, trainable[n].detach().to(c.dtype)) for n, c in casts.items()))
         return real_clip(grads, clip_norm)
 
-    monkeypatch.setattr(loop, "kept_casts", recording)
+    monkeypatch.setattr(loop, "kept_casts", recording(loop.kept_casts, lambda model, trainable, casts:
+                                                      kept.append((casts, trainable))))
     monkeypatch.setattr(loop, "clip_divisor", checking)
     ours = src.fine_tune(tr, va, steps=3, **kw)
     casts = kept[0][0]
@@ -124,11 +135,42 @@ def test_kept_casts_follow_their_weights(tiny_path, data, monkeypatch, precision
     assert sorted(casts) == sorted(n for n, w in src._weights.items() if w.dim() == 2 and n != "token_embd.weight")
     assert all(c.dtype == getattr(torch, precision) for c in casts.values()) and checked == [True] * 3
 
-    @contextlib.contextmanager
-    def none(model, trainable, profile):
-        yield {}
+    monkeypatch.setattr(loop, "kept_casts", no_kept_casts)
+    fresh = src.fine_tune(tr, va, steps=3, **kw)
+    assert tensors_equal(ours, fresh) and ours.validation_loss() == fresh.validation_loss()
 
-    monkeypatch.setattr(loop, "kept_casts", none)
+
+@pytest.mark.parametrize("graphs", [False, True])
+@pytest.mark.parametrize("adapter_kernel", ["torch", "fused"])
+@pytest.mark.parametrize("precision", ["float16", "bfloat16"])
+def test_frozen_casts_made_once(tiny_path, data, monkeypatch, precision, adapter_kernel, graphs):
+    """LoRA under a low-precision policy casts each frozen matrix (every projection and the untied
+    head) once for the run: during it each holds its cast, equal to a fresh one and unchanged by
+    the updates, and the adapters, moments and validation loss equal a run's that casts every
+    weight in every forward. The casts are gone when the run returns."""
+    import aner.train.loop as loop
+    from aner.model.llama import Dense
+    tr, va = data
+    src = gen.import_model(tiny_path, device=DEV).lora(targets=list(ALIASES), rank=4).with_training_profile(
+        precision=precision, cuda_graphs=graphs, adapter_kernel=adapter_kernel, layer_kernel="fused")
+    kw = dict(micro_batch=2, accumulation=2, rate=1e-3, seed=4)
+    held, checked = [], []
+    real_clip = loop.clip_divisor
+
+    def checking(grads, clip_norm):
+        checked.append(all(torch.equal(m.cast, m.weight.to(m.cast.dtype)) for m in held[-1]))
+        return real_clip(grads, clip_norm)
+
+    monkeypatch.setattr(loop, "kept_casts", recording(loop.kept_casts, lambda model, trainable, casts: held.append(
+        [m for m in model.modules() if type(m) is Dense and m.cast is not None])))
+    monkeypatch.setattr(loop, "clip_divisor", checking)
+    ours = src.fine_tune(tr, va, steps=3, **kw)
+    n_layer = src.config().n_layer
+    assert len(held[0]) == 7 * n_layer + 1 and checked == [True] * 3   # the F32 file: every matrix cast
+    assert all(m.cast is None for m in held[0])
+
+    monkeypatch.setattr(loop, "kept_casts", no_kept_casts)
+    monkeypatch.setattr(loop, "clip_divisor", real_clip)
     fresh = src.fine_tune(tr, va, steps=3, **kw)
     assert tensors_equal(ours, fresh) and ours.validation_loss() == fresh.validation_loss()
 

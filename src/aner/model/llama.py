@@ -32,14 +32,14 @@ class Dense(nn.Module):
     def __init__(self, weight: torch.Tensor):
         super().__init__()
         self.weight = weight
-        self.cast = None   # a trained weight's cast, kept in step by its optimizer (`train.loop.kept_casts`)
+        self.cast = None   # the weight's cast, kept for a training run (`train.loop.kept_casts`)
 
     def forward(self, x):
         if not torch.is_autocast_enabled(x.device.type):
             return F.linear(x, self.weight.to(x.dtype))
         if self.weight.requires_grad:
             return self.joint(x, (self,))[0]
-        return F.linear(x, self.weight)  # autocast casts it (a no-op for a weight kept in that dtype)
+        return F.linear(x, self.cast_to(torch.get_autocast_dtype(x.device.type)))  # autocast casts x
 
     @staticmethod
     def joint(x, modules):
@@ -59,9 +59,9 @@ class Dense(nn.Module):
         return self.weight.detach().to(dtype)
 
     def operand(self, dtype):
-        """A frozen weight as a product's operand in `dtype` (the weight itself when stored in it);
-        None for a trained one."""
-        return None if self.weight.requires_grad else self.weight.to(dtype)
+        """A frozen weight as a product's operand in `dtype` (the weight itself when stored in it,
+        its kept cast during a run); None for a trained one."""
+        return None if self.weight.requires_grad else self.cast_to(dtype)
 
     def lookup(self, tokens):
         return F.embedding(tokens, self.weight)

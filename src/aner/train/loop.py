@@ -15,7 +15,7 @@ import sys
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
-from functools import partial
+from functools import lru_cache, partial
 
 import torch
 
@@ -80,11 +80,14 @@ class TrainState:
     loss_scale: LossScale = LossScale() # FP16 only; kept (and checkpointed) for every profile
 
 
-def order(seed: int, epoch: int, n: int) -> list[int]:
-    return torch.randperm(n, generator=seeded(seed, 0x5A4D, epoch)).tolist()
+@lru_cache(maxsize=2)
+def order(seed: int, epoch: int, n: int) -> tuple[int, ...]:
+    """The epoch's sample order, made once per epoch (a permutation of 100k examples costs ~20 ms
+    of host time, which every update would otherwise pay)."""
+    return tuple(torch.randperm(n, generator=seeded(seed, 0x5A4D, epoch)).tolist())
 
 
-def window(state: TrainState, n: int) -> list[int]:
+def window(state: TrainState, n: int) -> tuple[int, ...]:
     """Indices of the examples of the next update's window."""
     epoch, pos = divmod(state.cursor, n)
     size = min(state.run.micro_batch * state.run.accumulation, n - pos)
@@ -136,21 +139,24 @@ def run(model, params: dict, trainable: dict, method, training, validation, stat
 
 @contextmanager
 def kept_casts(model, trainable: dict, profile: Profile):
-    """Under a FP16/BF16 policy, each trained dense matrix's cast to the operand dtype, made once
-    for the run (name -> tensor, `Dense.cast`): the optimizer rewrites it as it writes the
-    weight (the same rounding of the same FP32 value), so a forward reads it instead of reading
-    the FP32 weight to cast it. The admission already counts these casts (backward keeps them).
+    """Under a FP16/BF16 policy, each dense matrix's cast to the operand dtype, made once for the
+    run (`Dense.cast`), so a forward reads it instead of reading the weight to cast it: a trained
+    matrix's the optimizer rewrites as it writes the weight (the same rounding of the same FP32
+    value; yielded, name -> tensor); a frozen one's (an adapter's base, a frozen head) stays valid
+    for the run. The admission already counts these casts: backward keeps them all at its start.
     They are dropped when the run ends, however it ends."""
     table = None if model.head() is model.tok_embd else model.tok_embd    # looked up in FP32, never cast
-    dense = {id(m.weight): m for m in model.modules() if type(m) is Dense and m is not table}
-    kept = {n: dense[id(w)] for n, w in trainable.items() if id(w) in dense and w.dim() == 2} \
-        if profile.precision != "float32" else {}
+    dtype = profile.compute_dtype
+    dense = [m for m in model.modules() if type(m) is Dense and m is not table and m.weight.dim() == 2]
+    trained = {id(w): n for n, w in trainable.items()}
+    cast = [m for m in dense if id(m.weight) in trained or m.weight.dtype != dtype] \
+        if profile.precision != "float32" else []
     try:
-        for m in kept.values():
-            m.cast = m.weight.detach().to(profile.compute_dtype)
-        yield {n: m.cast for n, m in kept.items()}
+        for m in cast:
+            m.cast = m.weight.detach().to(dtype)
+        yield {trained[id(m.weight)]: m.cast for m in cast if id(m.weight) in trained}
     finally:
-        for m in kept.values():
+        for m in cast:
             m.cast = None
 
 
@@ -167,12 +173,17 @@ def _run(model, params, trainable, method, training, validation, state, steps, d
     if profile.cuda_graphs:
         from .graphs import Graphed
         step = Graphed(step)
-    for _ in range(steps):
-        idx = window(state, n)
-        examples = [training.items[i] for i in idx]
-        window_tokens = sum(e.scored for e in examples)
-        micro_batches = [batch(examples[s:s + state.run.micro_batch], device)
-                         for s in range(0, len(examples), state.run.micro_batch)]
+
+    def prepare(cursor: int):
+        """The window at `cursor`: its examples, their scored tokens and its micro-batches on the device."""
+        examples = [training.items[i] for i in window(replace(state, cursor=cursor), n)]
+        size = state.run.micro_batch
+        return examples, sum(e.scored for e in examples), [batch(examples[s:s + size], device)
+                                                           for s in range(0, len(examples), size)]
+
+    upcoming = prepare(state.cursor)
+    for k in range(steps):
+        examples, window_tokens, micro_batches = upcoming
         while True:  # one pass, or FP16 replays of the same window after an overflow
             # FP16: the gradient of the loss-scaled sum; otherwise of the sum / the window's tokens.
             grad_scale = torch.full((), scale.scale if fp16 else 1.0 / window_tokens, device=device)  # no host copy
@@ -203,6 +214,10 @@ def _run(model, params, trainable, method, training, validation, state, steps, d
         read_loss = _read_later(window_loss)       # copied before the update, read while it runs
         optimizer.step(trainable, grads, moments, state.updates + 1, clip_divisor(grads, state.run.clip_norm),
                        casts)
+        if k + 1 < steps:
+            # The next window's batches are made (and their copies queued) while this update runs on a
+            # GPU, not after its loss is read: otherwise the GPU waits for them once the optimizer is done.
+            upcoming = prepare(state.cursor + len(examples))
         window_loss = read_loss()
         _check_finite(window_loss, state.updates + 1)
         if fp16:
