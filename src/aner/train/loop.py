@@ -146,14 +146,12 @@ def kept_casts(model, trainable: dict, profile: Profile):
     for the run. The admission already counts these casts: backward keeps them all at its start.
     They are dropped when the run ends, however it ends."""
     table = None if model.head() is model.tok_embd else model.tok_embd    # looked up in FP32, never cast
-    dtype = profile.compute_dtype
-    dense = [m for m in model.modules() if type(m) is Dense and m is not table and m.weight.dim() == 2]
-    trained = {id(w): n for n, w in trainable.items()}
-    cast = [m for m in dense if id(m.weight) in trained or m.weight.dtype != dtype] \
+    cast = [m for m in model.modules() if type(m) is Dense and m is not table and m.weight.dim() == 2] \
         if profile.precision != "float32" else []
+    trained = {id(w): n for n, w in trainable.items()}
     try:
         for m in cast:
-            m.cast = m.weight.detach().to(dtype)
+            m.cast = m.weight.detach().to(profile.compute_dtype)
         yield {trained[id(m.weight)]: m.cast for m in cast if id(m.weight) in trained}
     finally:
         for m in cast:
