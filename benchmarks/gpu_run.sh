@@ -14,10 +14,10 @@
 #   norms       benchmarks/norm_kernels.py (RMSNorm backward, sum_splits) -> <date>-h200-norm-kernels.json
 #   attention   benchmarks/attention.py (fused causal attention against PyTorch's) -> <date>-h200-attention.json
 #   throughput  benchmarks/throughput.py (ours against the peer)     -> <date>-h200.json
-#               (COMBOS="model:method ..." narrows it)
+#               (COMBOS="model:method ... [--rounds R]" narrows it; R rounds alternate the two sides)
 #   ab          ours only, an earlier tree against this one, alternated ROUNDS times (default 2), one
 #               process each: OLD=a folder holding that tree's src/ and benchmarks/throughput.py
-#               (e.g. `git archive HEAD~1 src benchmarks/throughput.py | tar -x -C .whl/old`) -> ab.log
+#               (e.g. `git archive HEAD~1 src benchmarks/throughput.py | tar -x -C .whl/old`) -> ab.log, ab-{old,new}-N.json
 #   profile     where one update's GPU time goes (SmolLM2 and Llama-3.2-1B LoRA, eager loop:
 #               the kernels a recorded graph replays; PROFILES="model:method:eager ..." chooses)
 # Results land in $OUT. Prepare .whl (an ignored folder) here first:
@@ -49,7 +49,7 @@ for stage in "$@"; do
     throughput) python3 benchmarks/throughput.py "$OUT/$day-h200.json" ${COMBOS:-} 2>&1 | tee "$OUT/throughput.log" ;;
     ab) for round in $(seq "${ROUNDS:-2}"); do for tree in "$OLD" "$PWD"; do
           name=$([ "$tree" = "$PWD" ] && echo new || echo old)
-          python3 "$tree/benchmarks/throughput.py" "/tmp/ab-$name-$round.json" --no-peer ${COMBOS:-} 2>&1 | sed "s/^/$name /"
+          python3 "$tree/benchmarks/throughput.py" "$OUT/ab-$name-$round.json" --no-peer ${COMBOS:-} 2>&1 | sed "s/^/$name /"
         done; done | tee "$OUT/ab.log" ;;
     profile) for c in ${PROFILES:-smollm2-135m:lora:eager llama-3.2-1b:lora:eager}; do python3 benchmarks/throughput.py --profile $c; done 2>&1 \
                | tee "$OUT/profile.log" | grep -v "^-" | cut -c1-160 | head -n 90 ;;

@@ -1,6 +1,7 @@
 """Training throughput on the GPU: this library against the peer, measured in one run.
 
     CUBLAS_WORKSPACE_CONFIG=:4096:8 python benchmarks/throughput.py OUT.json [model:method[:flag] ...]
+        [--steps N] [--rounds R] [--no-peer]
     ... --profile model:method[:flag]   where one update's GPU time goes (no JSON)
 
 Both sides train random-weight models of the real shapes (SmolLM2-135M, Llama-3.2-1B,
@@ -21,8 +22,12 @@ runs the adapters' products through the fused kernels (adapter_kernel="fused") a
 and the head's cross-entropy through theirs (layer_kernel="fused"); the flag `:eager` measures
 the eager loop instead, `:torch` the adapters' torch ops, `:torch-layers` the layers' torch ops,
 `:fused` QLoRA's products through the fused NF4 kernels (nf4_kernel="fused", no decoded weight),
-`:microN` N sequences a micro-batch (8 / N micro-batches an update; 8 by default).
-The record holds both sides and their ratios.
+`:microN` N sequences a micro-batch (8 / N micro-batches an update; 8 by default), `:noclip`
+no clipping of the gradient norm (ours clips at 1.0 by default; the peer's loop never clips: with
+`:noclip` both sides do the same work). The record holds both sides and their ratios. `--rounds R` measures both sides R times in one call,
+alternated (the peer before ours in odd rounds, after in even ones: the peer's figures move with
+the machine's host far more than ours), and each row reports each side's median round, their
+ratio and every round's figures.
 """
 import argparse
 import gc
@@ -93,10 +98,10 @@ def data(vocab: int):
 
 
 def parse(combo: str) -> tuple[str, str, dict]:
-    """'model:method[:eager][:torch][:torch-layers][:fused][:microN]' -> (model, method, profile
-    choices besides the BF16 policy); microN is read by `micro_batch`."""
+    """'model:method[:eager][:torch][:torch-layers][:fused][:microN][:noclip]' -> (model, method,
+    profile choices besides the BF16 policy); microN is read by `micro_batch`, noclip by `clip_norm`."""
     model, method, *flags = combo.split(":")
-    assert {f for f in flags if not f.startswith("micro")} <= {"eager", "torch", "torch-layers", "fused"}, combo
+    assert {f for f in flags if not f.startswith("micro")} <= {"eager", "torch", "torch-layers", "fused", "noclip"}, combo
     choices = {"cuda_graphs": "eager" not in flags,
                "adapter_kernel": "torch" if "torch" in flags or method == "full" else "fused",
                "layer_kernel": "torch" if "torch-layers" in flags else "fused"}
@@ -110,6 +115,11 @@ def micro_batch(combo: str) -> int:
     the update then accumulates 8 / N micro-batches)."""
     sizes = [int(f[len("micro"):]) for f in combo.split(":")[2:] if f.startswith("micro")]
     return sizes[0] if sizes else BATCH
+
+
+def clip_norm(combo: str) -> float:
+    """The gradient norm `combo` clips at: the library's default 1.0, or 0 (none) with flag noclip."""
+    return 0.0 if "noclip" in combo.split(":")[2:] else 1.0
 
 
 def select(base, method, choices):
@@ -137,7 +147,7 @@ def start(combo: str, updates: int):
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     micro = micro_batch(combo)
-    state, _ = src._fine_tune_start(tr, va, updates, micro, BATCH // micro, 1e-4, 0, 1.0)
+    state, _ = src._fine_tune_start(tr, va, updates, micro, BATCH // micro, 1e-4, 0, clip_norm(combo))
     return src, tr, va, state
 
 
@@ -166,6 +176,7 @@ def ours(combo: str, steps=10, warmup=3) -> dict:
               "peak_bytes": torch.cuda.max_memory_allocated(), "admitted_bytes": admitted, "step_seconds": step_seconds,
               "losses": losses, "finite": all(map(math.isfinite, losses)),
               "loss_fell": losses[-1] < losses[0], "parameters": m.parameters(), "micro_batch": state.run.micro_batch,
+              "clip_norm": state.run.clip_norm,
               "trainable_parameters": m.trainable_parameters(), "training_profile": m.training_profile()}
     del m, src
     gc.collect()
@@ -233,6 +244,7 @@ def main():
     ap.add_argument("--profile")
     ap.add_argument("--no-peer", action="store_true")
     ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--rounds", type=int, default=1, help="ours and the peer alternated; medians reported")
     a = ap.parse_intermixed_args()
     if a.profile:
         return profile(a.profile)
@@ -244,28 +256,66 @@ def main():
                               "backend": gen.training_backend(),
                               "cublas_workspace": os.environ.get("CUBLAS_WORKSPACE_CONFIG")},
               "setup": {"batch": BATCH, "sequence": SEQ, "lora_rank": 16, "lora_alpha": 32,
-                        "targets": TARGETS, "precision": "bfloat16", "steps": a.steps},
+                        "targets": TARGETS, "precision": "bfloat16", "steps": a.steps,
+                        "rounds": a.rounds},
               "rows": []}
     peer_combos = list(dict.fromkeys(":".join(c.split(":")[:2]) for c in combos))   # in order, once each
-    peers = {} if a.no_peer else peer(peer_combos, out.with_name(out.stem + "-peer.json"), a.steps)
-    for combo in combos:
-        model, method, choices = parse(combo)
-        try:
-            r = ours(combo, steps=a.steps)
-        except Exception as e:  # recorded, not hidden
-            r = {"side": "ours", "model": model, "method": method, "error": f"{type(e).__name__}: {e}"}
-            gc.collect()
-            torch.cuda.empty_cache()
-        p = peers.get(f"{model}:{method}", {})
-        row = {"model": model, "method": method, **choices, "ours": r, "peer": p}
-        if "tokens_per_s" in r and "tokens_per_s" in p:
-            row["speedup"] = r["tokens_per_s"] / p["tokens_per_s"]
-            row["memory_ratio"] = r["peak_bytes"] / p["peak_bytes"]
-        record["rows"].append(row)
+    fmt = lambda d: (f"{d['tokens_per_s'] / 1e3:7.1f}k tok/s {d['peak_bytes'] / 2**30:6.1f} GiB"  # noqa: E731
+                     if "tokens_per_s" in d else str(d.get("error", "-"))[:60])
+    def run_peer():
+        return {} if a.no_peer else peer(peer_combos, out.with_name(out.stem + "-peer.json"), a.steps)
+
+    rounds = {combo: [] for combo in combos}      # combo -> [(ours, peer)], one pair a round
+    for k in range(a.rounds):
+        # the peer before ours in the first, third, ... round, after in the others: a drift of the
+        # machine weighs on both sides
+        peers = run_peer() if k % 2 == 0 else {}
+        mine = {}
+        for combo in combos:
+            try:
+                mine[combo] = ours(combo, steps=a.steps)
+            except Exception as e:  # recorded, not hidden
+                model, method, _ = parse(combo)
+                mine[combo] = {"side": "ours", "model": model, "method": method, "error": f"{type(e).__name__}: {e}"}
+                gc.collect()
+                torch.cuda.empty_cache()
+            print(f"{combo:26} ours {fmt(mine[combo])}", flush=True)
+        peers = run_peer() if k % 2 else peers
+        for combo in combos:
+            p = peers.get(":".join(combo.split(":")[:2]), {})
+            rounds[combo].append((mine[combo], p))
+            if not a.no_peer:
+                print(f"{combo:26} peer {fmt(p)}", flush=True)
+        record["rows"] = [row(combo, rounds[combo]) for combo in combos]
         out.write_text(json.dumps(record, indent=1))
-        fmt = lambda d: (f"{d['tokens_per_s'] / 1e3:7.1f}k tok/s {d['peak_bytes'] / 2**30:6.1f} GiB"  # noqa: E731
-                         if "tokens_per_s" in d else str(d.get("error", "-"))[:60])
-        print(f"{combo:22} ours {fmt(r)} | peer {fmt(p)} | x{row.get('speedup', float('nan')):.2f}", flush=True)
+    if a.rounds > 1:
+        print(f"medians over {a.rounds} rounds (min-max):")
+    for r in record["rows"]:
+        spread = lambda side: "-".join(f"{x / 1e3:.1f}" for x in (min(side), max(side))) if side else "-"  # noqa: E731
+        print(f"{r['combo']:26} ours {fmt(r['ours'])} ({spread(r['ours_tokens_per_s'])}) | "
+              f"peer {fmt(r['peer'])} ({spread(r['peer_tokens_per_s'])}) | x{r.get('speedup', float('nan')):.2f}",
+              flush=True)
+
+
+def row(combo: str, rounds: list) -> dict:
+    """A combination's record over its rounds: each side's round of median tokens/s (the lower
+    middle one of an even count), their ratio, and every round's figures."""
+    model, method, choices = parse(combo)
+
+    def median(side):
+        done = [r for r in side if "tokens_per_s" in r]
+        return sorted(done, key=lambda r: r["tokens_per_s"])[(len(done) - 1) // 2] if done else side[-1]
+
+    o, p = median([r for r, _ in rounds]), median([q for _, q in rounds])
+    out = {"combo": combo, "model": model, "method": method, **choices, "clip_norm": clip_norm(combo), "ours": o, "peer": p,
+           "ours_tokens_per_s": [r["tokens_per_s"] for r, _ in rounds if "tokens_per_s" in r],
+           "peer_tokens_per_s": [q["tokens_per_s"] for _, q in rounds if "tokens_per_s" in q]}
+    if "tokens_per_s" in o and "tokens_per_s" in p:
+        out["speedup"] = o["tokens_per_s"] / p["tokens_per_s"]
+        out["memory_ratio"] = o["peak_bytes"] / p["peak_bytes"]
+    if len(rounds) > 1:
+        out["rounds"] = [{"ours": r, "peer": q} for r, q in rounds]
+    return out
 
 
 if __name__ == "__main__":
