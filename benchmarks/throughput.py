@@ -24,10 +24,10 @@ the eager loop instead, `:torch` the adapters' torch ops, `:torch-layers` the la
 `:fused` QLoRA's products through the fused NF4 kernels (nf4_kernel="fused", no decoded weight),
 `:microN` N sequences a micro-batch (8 / N micro-batches an update; 8 by default), `:noclip`
 no clipping of the gradient norm (ours clips at 1.0 by default; the peer's loop never clips: with
-`:noclip` both sides do the same work). The record holds both sides and their ratios. `--rounds R` measures both sides R times in one call,
-alternated (the peer before ours in odd rounds, after in even ones: the peer's figures move with
-the machine's host far more than ours), and each row reports each side's median round, their
-ratio and every round's figures.
+`:noclip` both sides do the same work). The record holds both sides and their ratios.
+`--rounds R` measures both sides R times in one call, alternated (the peer before ours in odd
+rounds, after in even ones: the peer's figures move with the machine's host far more than
+ours), and each row reports each side's median round, their ratio and every round's figures.
 """
 import argparse
 import gc
@@ -259,9 +259,8 @@ def main():
                         "targets": TARGETS, "precision": "bfloat16", "steps": a.steps,
                         "rounds": a.rounds},
               "rows": []}
-    peer_combos = list(dict.fromkeys(":".join(c.split(":")[:2]) for c in combos))   # in order, once each
-    fmt = lambda d: (f"{d['tokens_per_s'] / 1e3:7.1f}k tok/s {d['peak_bytes'] / 2**30:6.1f} GiB"  # noqa: E731
-                     if "tokens_per_s" in d else str(d.get("error", "-"))[:60])
+    peer_combos = list(dict.fromkeys(map(pair, combos)))   # in order, once each
+
     def run_peer():
         return {} if a.no_peer else peer(peer_combos, out.with_name(out.stem + "-peer.json"), a.steps)
 
@@ -282,7 +281,7 @@ def main():
             print(f"{combo:26} ours {fmt(mine[combo])}", flush=True)
         peers = run_peer() if k % 2 else peers
         for combo in combos:
-            p = peers.get(":".join(combo.split(":")[:2]), {})
+            p = peers.get(pair(combo), {})
             rounds[combo].append((mine[combo], p))
             if not a.no_peer:
                 print(f"{combo:26} peer {fmt(p)}", flush=True)
@@ -291,10 +290,23 @@ def main():
     if a.rounds > 1:
         print(f"medians over {a.rounds} rounds (min-max):")
     for r in record["rows"]:
-        spread = lambda side: "-".join(f"{x / 1e3:.1f}" for x in (min(side), max(side))) if side else "-"  # noqa: E731
         print(f"{r['combo']:26} ours {fmt(r['ours'])} ({spread(r['ours_tokens_per_s'])}) | "
               f"peer {fmt(r['peer'])} ({spread(r['peer_tokens_per_s'])}) | x{r.get('speedup', float('nan')):.2f}",
               flush=True)
+
+
+def pair(combo: str) -> str:
+    """'model:method' of `combo`: the peer's row it is compared with."""
+    return ":".join(combo.split(":")[:2])
+
+
+def fmt(side: dict) -> str:
+    return (f"{side['tokens_per_s'] / 1e3:7.1f}k tok/s {side['peak_bytes'] / 2**30:6.1f} GiB"
+            if "tokens_per_s" in side else str(side.get("error", "-"))[:60])
+
+
+def spread(figures: list) -> str:
+    return "-".join(f"{x / 1e3:.1f}" for x in (min(figures), max(figures))) if figures else "-"
 
 
 def row(combo: str, rounds: list) -> dict:
