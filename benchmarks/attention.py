@@ -72,16 +72,31 @@ def error(fn, q, k, v, do):
             ref.abs().max().item(), dq_ref.abs().max().item())
 
 
+def record_times(row, fwd, both, flop_fwd):
+    """Puts the forward's and the backward's ms and TFLOP/s into row (the backward does 2.5
+    forwards' products), from the forward's and the pair's ms; returns them as text."""
+    row.update(fwd_ms=fwd, fwd_bwd_ms=both, bwd_ms=both - fwd,
+               fwd_tflops=flop_fwd / fwd / 1e9, bwd_tflops=2.5 * flop_fwd / (both - fwd) / 1e9)
+    return (f"fwd {fwd * 1e3:7.1f} us ({row['fwd_tflops']:4.0f} TFLOP/s)  "
+            f"bwd {row['bwd_ms'] * 1e3:7.1f} us ({row['bwd_tflops']:4.0f})")
+
+
+def operands(B, H, K, T, E):
+    """q, k, v and an upstream gradient, BF16, as the model hands them over: transposed views of
+    (B, T, n, E) projections (the same seed for every shape)."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+
+    def heads(n):
+        return torch.randn(B, T, n, E, device="cuda", generator=g).bfloat16().transpose(1, 2)
+    return heads(H), heads(K), heads(K), heads(H)
+
+
 def main():
     out_path = sys.argv[1]
     torch.use_deterministic_algorithms(True)
     rows = []
     for model, (B, H, K, T, E) in SHAPES.items():
-        g = torch.Generator(device="cuda").manual_seed(0)
-
-        def heads(n):
-            return torch.randn(B, T, n, E, device="cuda", generator=g).bfloat16().transpose(1, 2)
-        q, k, v, do = heads(H), heads(K), heads(K), heads(H)
+        q, k, v, do = operands(B, H, K, T, E)
         qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
         flop_fwd = 2 * 2 * B * H * T * T * E / 2
         ref_err = error(torch_attention, q, k, v, do)
@@ -102,10 +117,7 @@ def main():
                 row.update(err_out=e_out, err_dq=e_dq)
                 fwd = timed(lambda: call(q, k, v))
                 both = timed(lambda: torch.autograd.grad(call(qg, kg, vg), (qg, kg, vg), do))
-                row.update(fwd_ms=fwd, fwd_bwd_ms=both, bwd_ms=both - fwd,
-                           fwd_tflops=flop_fwd / fwd / 1e9, bwd_tflops=2.5 * flop_fwd / (both - fwd) / 1e9)
-                print(f"{model:13} {name:52} fwd {fwd * 1e3:7.1f} us ({row['fwd_tflops']:4.0f} TFLOP/s)  "
-                      f"bwd {row['bwd_ms'] * 1e3:7.1f} us ({row['bwd_tflops']:4.0f})  "
+                print(f"{model:13} {name:52} {record_times(row, fwd, both, flop_fwd)}  "
                       f"{'ok' if row['ok'] else 'WRONG'}", flush=True)
             except Exception as ex:   # recorded, not hidden
                 row["error"] = f"{type(ex).__name__}: {ex}"[:300]

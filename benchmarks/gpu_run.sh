@@ -13,6 +13,7 @@
 #   adamw       benchmarks/adamw.py (ours against torch.optim.AdamW) -> <date>-h200-adamw.json
 #   norms       benchmarks/norm_kernels.py (RMSNorm backward, sum_splits) -> <date>-h200-norm-kernels.json
 #   attention   benchmarks/attention.py (fused causal attention against PyTorch's) -> <date>-h200-attention.json
+#   cudnn       benchmarks/attention_cudnn.py (cuDNN's deterministic attention against ours) -> <date>-h200-attention-cudnn.json
 #   throughput  benchmarks/throughput.py (ours against the peer)     -> <date>-h200.json
 #               (COMBOS="model:method ... [--rounds R]" narrows it; R rounds alternate the two sides)
 #   ab          ours only, an earlier tree against this one, alternated ROUNDS times (default 2), one
@@ -23,6 +24,7 @@
 # Results land in $OUT. Prepare .whl (an ignored folder) here first:
 #   mkdir -p .whl && pip wheel --no-deps -w .whl llama-cpp-python==0.3.36   # CMAKE_ARGS as in the Makefile
 #   pip download --no-deps -d .whl gguf==0.19.0 diskcache==5.6.3 bitsandbytes==0.50.2
+#   pip download --no-deps -d .whl --only-binary=:all: --python-version 3.12 nvidia-cudnn-frontend==1.14.0
 #   (keep only libbitsandbytes_cpu.so and libbitsandbytes_cuda130.so in the bitsandbytes wheel)
 #   .venv/bin/python -c "from aner.formats.gguf import read_gguf, write_gguf; from aner.embedded import \
 #     ensure_default_model as m; g = read_gguf(m()); write_gguf('.whl/smollm2-tokenizer.gguf', \
@@ -45,6 +47,8 @@ for stage in "$@"; do
              | tee "$OUT/adamw.log" ;;
     norms) python3 benchmarks/norm_kernels.py "$OUT/$day-h200-norm-kernels.json" 2>&1 | tee "$OUT/norm-kernels.log" ;;
     attention) python3 benchmarks/attention.py "$OUT/$day-h200-attention.json" 2>&1 | tee "$OUT/attention.log" ;;
+    cudnn) PYTHONPATH=$PYTHONPATH:$PWD/benchmarks python3 benchmarks/attention_cudnn.py "$OUT/$day-h200-attention-cudnn.json" 2>&1 \
+             | tee "$OUT/attention-cudnn.log" ;;
     lora) python3 benchmarks/lora_kernels.py "$OUT/$day-h200-lora-kernels.json" ${LORA:-} 2>&1 | tee "$OUT/lora-kernels.log" | tail -n 60 ;;
     throughput) python3 benchmarks/throughput.py "$OUT/$day-h200.json" ${COMBOS:-} 2>&1 | tee "$OUT/throughput.log" ;;
     ab) for round in $(seq "${ROUNDS:-2}"); do for tree in "$OLD" "$PWD"; do

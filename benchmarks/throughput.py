@@ -24,7 +24,8 @@ the eager loop instead, `:torch` the adapters' torch ops, `:torch-layers` the la
 `:fused` QLoRA's products through the fused NF4 kernels (nf4_kernel="fused", no decoded weight),
 `:microN` N sequences a micro-batch (8 / N micro-batches an update; 8 by default), `:noclip`
 no clipping of the gradient norm (ours clips at 1.0 by default; the peer's loop never clips: with
-`:noclip` both sides do the same work). The record holds both sides and their ratios.
+`:noclip` both sides do the same work), `:cudnn` attention through cuDNN's deterministic kernels
+(attention_kernel="cudnn"). The record holds both sides and their ratios.
 `--rounds R` measures both sides R times in one call, alternated (the peer before ours in odd
 rounds, after in even ones: the peer's figures move with the machine's host far more than
 ours), and each row reports each side's median round, their ratio and every round's figures.
@@ -98,13 +99,16 @@ def data(vocab: int):
 
 
 def parse(combo: str) -> tuple[str, str, dict]:
-    """'model:method[:eager][:torch][:torch-layers][:fused][:microN][:noclip]' -> (model, method,
+    """'model:method[:eager][:torch][:torch-layers][:fused][:microN][:noclip][:cudnn]' -> (model, method,
     profile choices besides the BF16 policy); microN is read by `micro_batch`, noclip by `clip_norm`."""
     model, method, *flags = combo.split(":")
-    assert {f for f in flags if not f.startswith("micro")} <= {"eager", "torch", "torch-layers", "fused", "noclip"}, combo
+    assert {f for f in flags if not f.startswith("micro")} <= {"eager", "torch", "torch-layers", "fused", "noclip",
+                                                                   "cudnn"}, combo
     choices = {"cuda_graphs": "eager" not in flags,
                "adapter_kernel": "torch" if "torch" in flags or method == "full" else "fused",
                "layer_kernel": "torch" if "torch-layers" in flags else "fused"}
+    if "cudnn" in flags:
+        choices["attention_kernel"] = "cudnn"
     if method == "qlora":
         choices["nf4_kernel"] = "fused" if "fused" in flags else "decoded"
     return model, method, choices

@@ -1,10 +1,12 @@
-"""The fused causal attention (aner.kernels.attention) against float64 autograd of softmax(q k^T /
-sqrt(E)) v, and against PyTorch's own attention in the same dtype.
+"""The fused causal attention (aner.kernels.attention) and cuDNN's (aner.kernels.cudnn_attention)
+against float64 autograd of softmax(q k^T / sqrt(E)) v, and against PyTorch's own attention in the
+same dtype.
 
 Runs on a CUDA device, or on the CPU under Triton's interpreter (TRITON_INTERPRET=1) with small
-shapes; skips otherwise. Output and the three gradients: each within twice the error of PyTorch's
+shapes (ours only); skips otherwise, and cuDNN's where nvidia-cudnn-frontend is not installed.
+Output and the three gradients: each within twice the error of PyTorch's
 scaled_dot_product_attention in the same dtype plus two units of the dtype's rounding at the
-reference's largest magnitude; the same inputs give the same bits twice.
+reference's largest magnitude; the same inputs give the same bits on every run.
 """
 import math
 
@@ -17,12 +19,16 @@ from kernel_device import INTERPRET, device_or_skip
 DEV = device_or_skip()
 
 from aner.errors import ConfigError  # noqa: E402
+from aner.kernels import cudnn_attention  # noqa: E402
 from aner.kernels.attention import attention  # noqa: E402
 
 bf16_gpu_only = pytest.mark.skipif(INTERPRET, reason="the interpreter's BF16 is unreliable")
 DTYPES = [torch.float16, pytest.param(torch.bfloat16, marks=bf16_gpu_only)]
 EPS = {torch.float16: 2.0 ** -11, torch.bfloat16: 2.0 ** -8}
 # (B, H, K, T, E): grouped heads, lengths that are not multiples of the tiles, both head widths
+IMPLS = [pytest.param(attention, id="ours"),
+         pytest.param(cudnn_attention.attention, id="cudnn", marks=pytest.mark.skipif(
+             INTERPRET or not cudnn_attention.available(), reason="needs a CUDA device and nvidia-cudnn-frontend"))]
 SHAPES = [(1, 2, 1, 70, 64), (2, 3, 3, 33, 16), (1, 2, 2, 130, 128)]
 if not INTERPRET:
     SHAPES += [(1, 9, 3, 300, 64), (2, 32, 8, 1024, 64), (1, 32, 8, 1024, 128), (1, 4, 1, 1, 64), (3, 4, 2, 200, 32)]
@@ -59,12 +65,13 @@ def torch_attention(q, k, v):
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
 
 
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_attention_against_float64(shape, dtype):
+def test_attention_against_float64(impl, shape, dtype):
     q, k, v, do = inputs(*shape, dtype)
     want = reference(q, k, v, do)
-    ours, theirs = run(attention, q, k, v, do), run(torch_attention, q, k, v, do)
+    ours, theirs = run(impl, q, k, v, do), run(torch_attention, q, k, v, do)
     for name, got, base, ref in zip(("out", "dq", "dk", "dv"), ours, theirs, want):
         assert got.shape == ref.shape and got.dtype == dtype
         err = (got.double() - ref).abs().max().item()
@@ -72,15 +79,23 @@ def test_attention_against_float64(shape, dtype):
         assert err <= bound, f"{name}: error {err:.3g} > {bound:.3g}"
 
 
-def test_output_layout_and_determinism():
-    """The output is (B, H, T, E) over (B, T, H, E) memory (the model's reshape is a view), and two
-    runs give the same bits, gradients included."""
+@pytest.mark.parametrize("impl", IMPLS)
+def test_output_layout_and_determinism(impl):
+    """The output is (B, H, T, E) over (B, T, H, E) memory (the model's reshape is a view), and five
+    runs, and a CUDA graph's replay, give the same bits, gradients included."""
     shape = (2, 8, 2, 1024, 128) if not INTERPRET else (1, 4, 2, 65, 64)
     dtype = torch.bfloat16 if not INTERPRET else torch.float16
     q, k, v, do = inputs(*shape, dtype, seed=1)
-    first, second = run(attention, q, k, v, do), run(attention, q, k, v, do)
-    assert all(torch.equal(a, b) for a, b in zip(first, second))
+    first = run(impl, q, k, v, do)
+    for _ in range(4):
+        assert all(torch.equal(a, b) for a, b in zip(first, run(impl, q, k, v, do)))
     assert first[0].transpose(1, 2).is_contiguous()
+    if not INTERPRET:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            replayed = run(impl, q, k, v, do)
+        graph.replay()
+        assert all(torch.equal(a, b) for a, b in zip(first, replayed))
 
 
 def test_errors():
@@ -95,3 +110,7 @@ def test_errors():
         attention(q.transpose(2, 3), k.transpose(2, 3), v.transpose(2, 3))
     with pytest.raises(ConfigError, match="accepted: q"):
         attention(q, k[:, :, :8], v)
+    with pytest.raises(ConfigError, match="head width 136; accepted: .* multiple of 8 up to 128"):
+        cudnn_attention.attention(*inputs(1, 2, 2, 16, 136, torch.float16)[:3])
+    with pytest.raises(ConfigError, match="dividing"):
+        cudnn_attention.attention(q, *inputs(1, 3, 3, 16, 64, torch.float16)[1:3])

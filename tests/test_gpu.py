@@ -4,6 +4,7 @@ Skipped where no CUDA device exists (development machines and CI); run on the GP
 CUBLAS_WORKSPACE_CONFIG=:4096:8 (see benchmarks/gpu_profiles.py for the matrix over real shapes).
 """
 import contextlib
+import importlib.util
 
 import numpy as np
 import pytest
@@ -326,14 +327,14 @@ def test_cuda_graphs_replay_the_eager_bits(tiny_path, data, tmp_path, monkeypatc
     assert resumed.training_profile()["cuda_graphs"] and tensors_equal(four, resumed)
 
 
-def fused_against_torch_ops(tiny_path, data, method, precision, choice):
-    """(fused, reference): 3 updates with `choice`='fused' and with the torch ops; the fused run
+def fused_against_torch_ops(tiny_path, data, method, precision, choice, value="fused"):
+    """(fused, reference): 3 updates with `choice`=`value` and with the torch ops; the fused run
     repeats its own bits, and both agree on losses within FP32 (2e-2 under FP16/BF16)."""
     tr, va = data
     src = select(gen.import_model(tiny_path, device=DEV), "float32", method)
     kw = dict(steps=3, micro_batch=2, rate=1e-3, seed=5)
     ref = src.with_training_profile(precision=precision).fine_tune(tr, va, **kw)
-    fused = src.with_training_profile(precision=precision, **{choice: "fused"})
+    fused = src.with_training_profile(precision=precision, **{choice: value})
     a, b = fused.fine_tune(tr, va, **kw), fused.fine_tune(tr, va, **kw)
     assert tensors_equal(a, b) and a._state.losses == b._state.losses
     loss_tol = 1e-5 if precision == "float32" else 2e-2
@@ -364,6 +365,23 @@ def test_fused_layers_agree_with_torch_ops(tiny_path, data, method, precision):
     dtype and SwiGLU's single rounding), and repeats its own bits."""
     a, ref = fused_against_torch_ops(tiny_path, data, method, precision, "layer_kernel")
     assert a._state.losses != ref._state.losses or precision == "float32"   # the fused path did run
+
+
+@pytest.mark.skipif(importlib.util.find_spec("cudnn") is None, reason="needs nvidia-cudnn-frontend")
+@pytest.mark.parametrize("method", ["full", "lora"])
+@pytest.mark.parametrize("precision", ["float16", "bfloat16"])
+def test_cudnn_attention_agrees_with_torch_ops(tiny_path, data, method, precision):
+    """attention_kernel='cudnn' trains what the torch ops train, repeats its own bits, and a
+    recorded CUDA graph's updates give the eager run's bits."""
+    from aner.kernels import cudnn_attention
+    cudnn_attention._graphs.clear()
+    a, ref = fused_against_torch_ops(tiny_path, data, method, precision, "attention_kernel", "cudnn")
+    assert {key[0] for key in cudnn_attention._graphs} == {"forward", "backward"}   # cuDNN's attention ran
+    tr, va = data
+    src = select(gen.import_model(tiny_path, device=DEV), "float32", method)
+    graphed = src.with_training_profile(precision=precision, attention_kernel="cudnn", cuda_graphs=True)
+    b = graphed.fine_tune(tr, va, steps=3, micro_batch=2, rate=1e-3, seed=5)
+    assert tensors_equal(a, b) and a._state.losses == b._state.losses
 
 
 @pytest.mark.parametrize("storage,method", [("float32", "full"), ("float32", "lora"), ("nf4_double_quant", "lora")])

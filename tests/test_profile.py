@@ -11,7 +11,8 @@ from aner.errors import DataError
 def test_defaults(base):
     p = base.training_profile()
     assert p == {"precision": "float32", "optimizer": "adamw", "nf4_kernel": "host_tiled", "page_bytes": 2097152,
-                 "cuda_graphs": False, "adapter_kernel": "torch", "layer_kernel": "torch", "master_dtype": "float32", "loss_scale": None}
+                 "cuda_graphs": False, "adapter_kernel": "torch", "layer_kernel": "torch",
+                 "attention_kernel": None, "master_dtype": "float32", "loss_scale": None}
     assert base.memory_summary().compute_dtype == "float32"
     assert base.with_training_profile().training_profile() == p
 
@@ -29,6 +30,9 @@ def test_defaults(base):
     (dict(adapter_kernel="fused"), "adapter_kernel='fused' runs GPU kernels and needs a CUDA device"),
     (dict(layer_kernel="triton"), "layer_kernel='triton' is not supported; accepted: torch, fused"),
     (dict(layer_kernel="fused"), "layer_kernel='fused' runs GPU kernels and needs a CUDA device"),
+    (dict(attention_kernel="flash"), "attention_kernel='flash' is not supported; accepted: torch, fused, cudnn"),
+    (dict(attention_kernel="fused"), "attention_kernel='fused' runs GPU kernels and needs a CUDA device"),
+    (dict(attention_kernel="cudnn"), "attention_kernel='cudnn' runs GPU kernels and needs a CUDA device"),
 ])
 def test_refusals(base, kw, message):
     with pytest.raises(ConfigError, match=message):

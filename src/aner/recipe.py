@@ -5,7 +5,8 @@
     [model]        path ("embedded:smollm2" or a GGUF), storage, device, max_memory_bytes
     [data]         training, validation (CSV files), input, target, context
     [method]       name (lora | rs_lora | lora_fa | tinylora | qlora | full) and that method's arguments
-    [profile]      precision, optimizer, nf4_kernel, page_bytes, cuda_graphs, adapter_kernel, layer_kernel
+    [profile]      precision, optimizer, nf4_kernel, page_bytes, cuda_graphs, adapter_kernel, layer_kernel,
+                   attention_kernel
                    (model.with_training_profile)
     [training]     steps, micro_batch, accumulation, rate, seed, clip_norm
     [checkpoints]  every, directory (default: <output.directory>/checkpoints)
@@ -40,7 +41,7 @@ SCHEMA = {
     "method": {"name": STR, "targets": STRINGS, "rank": INT, "alpha": NUMBER, "seed": INT,
                "parameters": INT, "sharing": STR},
     "profile": {"precision": STR, "optimizer": STR, "nf4_kernel": STR, "page_bytes": INT,
-                "cuda_graphs": BOOL, "adapter_kernel": STR, "layer_kernel": STR},
+                "cuda_graphs": BOOL, "adapter_kernel": STR, "layer_kernel": STR, "attention_kernel": STR},
     "training": {"steps": INT, "micro_batch": INT, "accumulation": INT, "rate": NUMBER, "seed": INT,
                  "clip_norm": NUMBER},
     "checkpoints": {"every": INT, "directory": STR},

@@ -255,23 +255,28 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     return attention(q, k, v) if supported(q) else llama.attend(q, k, v)
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: dict | None = None) -> torch.Tensor:
-    """Causal grouped-query attention, softmax scale 1 / sqrt(E), with gradients for q, k and v.
-
-    q (B, H, T, E), k and v (B, K, T, E) with K dividing H, one FP16/BF16 dtype, E in `WIDTHS`,
-    any strides whose last is 1 (the model's transposed views of its projections). The output is
-    (B, H, T, E) over (B, T, H, E) memory."""
+def check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, taken: bool, accepted: str) -> None:
+    """Refuse operands an attention cannot take: the shapes and strides every one needs, and
+    `taken` (its own dtype, width and device rule, described by `accepted`)."""
     if q.dim() != 4 or k.dim() != 4 or v.shape != k.shape or q.shape[0] != k.shape[0] or q.shape[2:] != k.shape[2:]:
         raise ConfigError(f"attention q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}; accepted: "
                           "q (B, H, T, E) and k, v (B, K, T, E)")
     if k.shape[1] == 0 or q.shape[1] % k.shape[1]:
         raise ConfigError(f"attention has {q.shape[1]} query heads and {k.shape[1]} key/value heads; accepted: "
                           "a number of key/value heads dividing the query heads")
-    if not (supported(q) and k.dtype == q.dtype == v.dtype and k.device == q.device == v.device):
+    if not (taken and k.dtype == q.dtype == v.dtype and k.device == q.device == v.device):
         raise ConfigError(f"attention q {q.dtype} on {q.device}, k {k.dtype}, v {v.dtype}, head width "
-                          f"{q.shape[-1]}; accepted: one of float16, bfloat16 on one device, a head width "
-                          f"in {WIDTHS}")
+                          f"{q.shape[-1]}; accepted: {accepted}")
     if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
         raise ConfigError(f"attention strides q {q.stride()}, k {k.stride()}, v {v.stride()}; accepted: "
                           "any with the last dimension's stride 1")
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: dict | None = None) -> torch.Tensor:
+    """Causal grouped-query attention, softmax scale 1 / sqrt(E), with gradients for q, k and v.
+
+    q (B, H, T, E), k and v (B, K, T, E) with K dividing H, one FP16/BF16 dtype, E in `WIDTHS`,
+    any strides whose last is 1 (the model's transposed views of its projections). The output is
+    (B, H, T, E) over (B, T, H, E) memory."""
+    check(q, k, v, supported(q), f"one of float16, bfloat16 on one device, a head width in {WIDTHS}")
     return _Attention.apply(q, k, v, tiles or TILES[64 if q.shape[-1] <= 64 else 128])

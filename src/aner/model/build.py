@@ -20,18 +20,22 @@ def weight_module(weight, device_copy=None, decoded=False) -> nn.Module:
 
 def build(config, weights: dict, method=None, adapter_tensors: dict | None = None,
           device_copies: dict | None = None, adapter_kernel: str = "torch", layer_kernel: str = "torch",
-          nf4_kernel: str = "fused") -> Llama:
+          nf4_kernel: str = "fused", attention_kernel: str | None = None) -> Llama:
     """`device_copies`: name -> GPU copy of a packed weight, for the fused or decoded NF4 kernels
     (`nf4_kernel`); `adapter_kernel`, `layer_kernel`: the training profile's choices for the
     adapters' products and for RMSNorm, RoPE, SwiGLU, attention (and, in the loss, the head's
-    cross-entropy)."""
+    cross-entropy); `attention_kernel`: the profile's choice for attention, if not layer_kernel's."""
     table = names.expected(config)
     device_copies = device_copies or {}
     norm, rotate, gate, att = RMSNorm, rope, swiglu, attend
     if layer_kernel == "fused":
         from ..kernels.layer import FusedRMSNorm, rope as rotate, swiglu as gate  # noqa: F811 Triton only when chosen
-        from ..kernels.attention import attend as att  # noqa: F811
         norm = FusedRMSNorm
+    attention_kernel = attention_kernel or layer_kernel
+    if attention_kernel == "fused":
+        from ..kernels.attention import attend as att  # noqa: F811
+    elif attention_kernel == "cudnn":
+        from ..kernels.cudnn_attention import attend as att  # noqa: F811
     modules = {}
     for name, (path, role, _) in table.items():
         w = weights[name]

@@ -219,12 +219,13 @@ class PretrainedModel:
 
     def with_training_profile(self, precision="float32", optimizer="adamw", nf4_kernel="host_tiled",
                               page_bytes=2097152, cuda_graphs=False, adapter_kernel="torch",
-                              layer_kernel="torch") -> "PretrainedModel":
+                              layer_kernel="torch", attention_kernel=None) -> "PretrainedModel":
         """Select the numerical profile of training; only an untrained model can change it."""
         if self._state is not None:
             raise ConfigError("changing the training profile of a trained model is refused: exact resume "
                               f"keeps the recorded profile {self._profile.as_dict()}")
-        profile = Profile(precision, optimizer, nf4_kernel, page_bytes, cuda_graphs, adapter_kernel, layer_kernel)
+        profile = Profile(precision, optimizer, nf4_kernel, page_bytes, cuda_graphs, adapter_kernel, layer_kernel,
+                          attention_kernel)
         profile.check_placement(self._device, self._storage)
         return self._derive(profile=profile)
 
@@ -437,7 +438,8 @@ class PretrainedModel:
             trainable = {n: tensors[n].requires_grad_(True) for n in self._trainable_names()}
         state = replace(state, moments={n: (m.clone(), v.clone()) for n, (m, v) in state.moments.items()})
         model = build(self._source.config, weights, self._method, tensors, self._device_copies,
-                      self._profile.adapter_kernel, self._profile.layer_kernel, self._profile.nf4_kernel)
+                      self._profile.adapter_kernel, self._profile.layer_kernel, self._profile.nf4_kernel,
+                      self._profile.attention_kernel)
 
         def trained(state):
             frozen = {n: w.detach() for n, w in weights.items()} if self._method is None else weights

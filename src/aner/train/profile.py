@@ -31,6 +31,14 @@
                                               widths 16-128) keeps the flash scheme's roundings and
                                               is deterministic; the loss is the same FP32
                                               formula, its reductions in another order
+    attention_kernel (layer_kernel's) | torch | fused | cudnn   how attention runs on a GPU: as
+                                              layer_kernel says (the default), torch's
+                                              scaled_dot_product_attention, ours
+                                              (`kernels/attention.py`), or cuDNN's forward and
+                                              deterministic backward through its graph API
+                                              (`kernels/cudnn_attention.py`; FP16/BF16, head
+                                              widths multiples of 8 up to 128, the package
+                                              nvidia-cudnn-frontend: pip install 'aner[cuda]')
 
 Mixed precision is an operation policy, not a conversion: master weights, their gradients, the
 Adam moments, RMSNorm, RoPE, softmax and the loss stay FP32; only projection and attention matrix
@@ -49,6 +57,7 @@ OPTIMIZERS = ("adamw", "paged_adamw")
 NF4_KERNELS = ("host_tiled", "fused", "decoded")
 ADAPTER_KERNELS = ("torch", "fused")
 LAYER_KERNELS = ("torch", "fused")
+ATTENTION_KERNELS = ("torch", "fused", "cudnn")
 MIN_PAGE, MAX_PAGE, DEFAULT_PAGE = 4 << 10, 64 << 20, 2 << 20
 
 
@@ -61,6 +70,7 @@ class Profile:
     cuda_graphs: bool = False
     adapter_kernel: str = "torch"
     layer_kernel: str = "torch"
+    attention_kernel: str | None = None
 
     def __post_init__(self):
         for field, accepted in (("precision", PRECISIONS), ("optimizer", OPTIMIZERS), ("nf4_kernel", NF4_KERNELS),
@@ -68,6 +78,9 @@ class Profile:
             if getattr(self, field) not in accepted:
                 raise ConfigError(f"{field}={getattr(self, field)!r} is not supported; accepted: "
                                   f"{', '.join(accepted)}")
+        if self.attention_kernel is not None and self.attention_kernel not in ATTENTION_KERNELS:
+            raise ConfigError(f"attention_kernel={self.attention_kernel!r} is not supported; accepted: "
+                              f"{', '.join(ATTENTION_KERNELS)}, or none for layer_kernel's choice")
         p = self.page_bytes
         if isinstance(p, bool) or not isinstance(p, int) or not MIN_PAGE <= p <= MAX_PAGE or p % 4096:
             raise ConfigError(f"page_bytes={p!r} is not accepted; accepted: a multiple of 4096 from "
@@ -89,9 +102,10 @@ class Profile:
         if self.cuda_graphs and storage != "float32" and self.nf4_kernel == "host_tiled":
             raise ConfigError("cuda_graphs=True cannot record nf4_kernel='host_tiled', which copies host "
                               "tiles on every call; use nf4_kernel='fused' or 'decoded', or cuda_graphs=False")
-        for field, fallback in (("nf4_kernel", "host_tiled"), ("adapter_kernel", "torch"), ("layer_kernel", "torch")):
+        for field, fallback in (("nf4_kernel", "host_tiled"), ("adapter_kernel", "torch"), ("layer_kernel", "torch"),
+                                ("attention_kernel", "torch")):
             value = getattr(self, field)
-            if value == fallback:
+            if value in (fallback, None):
                 continue
             if device == "cpu":
                 raise ConfigError(f"{field}={value!r} runs GPU kernels and needs a CUDA device; "
@@ -100,6 +114,14 @@ class Profile:
             if not fused_available():
                 raise ConfigError(f"{field}={value!r} needs Triton, which this installation lacks (it "
                                   f"comes with PyTorch's CUDA builds); use {field}={fallback!r}")
+        if self.attention_kernel == "cudnn":
+            if self.precision == "float32":
+                raise ConfigError("attention_kernel='cudnn' takes FP16/BF16 operands; with precision='float32' "
+                                  "use attention_kernel='torch'")
+            from ..kernels.cudnn_attention import available
+            if not available():
+                raise ConfigError("attention_kernel='cudnn' needs the package nvidia-cudnn-frontend, which this "
+                                  "installation lacks (pip install 'aner[cuda]'); use attention_kernel='fused'")
 
     @property
     def packed_on_device(self) -> bool:
