@@ -327,15 +327,17 @@ def test_cuda_graphs_replay_the_eager_bits(tiny_path, data, tmp_path, monkeypatc
     assert resumed.training_profile()["cuda_graphs"] and tensors_equal(four, resumed)
 
 
+FUSED_RUN = dict(steps=3, micro_batch=2, rate=1e-3, seed=5)
+
+
 def fused_against_torch_ops(tiny_path, data, method, precision, choice, value="fused"):
     """(fused, reference): 3 updates with `choice`=`value` and with the torch ops; the fused run
     repeats its own bits, and both agree on losses within FP32 (2e-2 under FP16/BF16)."""
     tr, va = data
     src = select(gen.import_model(tiny_path, device=DEV), "float32", method)
-    kw = dict(steps=3, micro_batch=2, rate=1e-3, seed=5)
-    ref = src.with_training_profile(precision=precision).fine_tune(tr, va, **kw)
+    ref = src.with_training_profile(precision=precision).fine_tune(tr, va, **FUSED_RUN)
     fused = src.with_training_profile(precision=precision, **{choice: value})
-    a, b = fused.fine_tune(tr, va, **kw), fused.fine_tune(tr, va, **kw)
+    a, b = fused.fine_tune(tr, va, **FUSED_RUN), fused.fine_tune(tr, va, **FUSED_RUN)
     assert tensors_equal(a, b) and a._state.losses == b._state.losses
     loss_tol = 1e-5 if precision == "float32" else 2e-2
     assert np.allclose(a._state.losses, ref._state.losses, rtol=loss_tol, atol=0)
@@ -380,7 +382,7 @@ def test_cudnn_attention_agrees_with_torch_ops(tiny_path, data, method, precisio
     tr, va = data
     src = select(gen.import_model(tiny_path, device=DEV), "float32", method)
     graphed = src.with_training_profile(precision=precision, attention_kernel="cudnn", cuda_graphs=True)
-    b = graphed.fine_tune(tr, va, steps=3, micro_batch=2, rate=1e-3, seed=5)
+    b = graphed.fine_tune(tr, va, **FUSED_RUN)
     assert tensors_equal(a, b) and a._state.losses == b._state.losses
 
 
