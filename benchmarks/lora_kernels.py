@@ -85,10 +85,11 @@ def operands(op, N, R):
     if op == "project":
         return ((lambda t, i=0: L.project(ps[i], w, t)),
                 lambda: (p.double() @ w.double().t(), p.double().abs() @ w.double().abs().t()), p.numel() * 2)
+    qp = L.to_parts(q)                              # u or du: the BF16 parts project writes
     if op == "expand":                              # the delta alone, written in BF16
-        return ((lambda t, i=0: L.expand(q, w.t(), None, torch.bfloat16, t)),
+        return ((lambda t, i=0: L.expand(qp, w.t(), None, torch.bfloat16, t)),
                 lambda: (q.double() @ w.double(), q.double().abs() @ w.double().abs()), p.numel() * 2)
-    return ((lambda t, i=0: L.reduce_tokens(ps[i], q, t)),
+    return ((lambda t, i=0: L.reduce_tokens(ps[i], qp, t)),
             lambda: (p.double().t() @ q.double(), p.double().abs().t() @ q.double().abs()), p.numel() * 2)
 
 
@@ -173,13 +174,14 @@ def main():
         p = torch.randn(M, n, device=dev).to(pdtype)
         w = torch.randn(R, n, device=dev) / n ** 0.5
         q = torch.randn(M, R, device=dev)
+        qp = L.to_parts(q)
         pd, wd, qd = p.double(), w.double(), q.double()
         problems = {
             "project": (lambda t: L.project(p, w, t), pd @ wd.t(), pd.abs() @ wd.abs().t(),
                         lambda: p.float() @ w.t(), p.numel() * p.element_size()),
-            "expand": (lambda t: L.expand(q, w.t(), p, p.dtype, t), pd + qd @ wd, pd.abs() + qd.abs() @ wd.abs(),
+            "expand": (lambda t: L.expand(qp, w.t(), p, p.dtype, t), pd + qd @ wd, pd.abs() + qd.abs() @ wd.abs(),
                        lambda: p + (q @ w).to(p.dtype), 2 * p.numel() * p.element_size()),
-            "reduce_tokens": (lambda t: L.reduce_tokens(p, q, t), pd.t() @ qd, pd.abs().t() @ qd.abs(),
+            "reduce_tokens": (lambda t: L.reduce_tokens(p, qp, t), pd.t() @ qd, pd.abs().t() @ qd.abs(),
                               lambda: p.float().t() @ q, p.numel() * p.element_size()),
         }
         for op, (fn, ref, scale, torch_fn, nbytes) in problems.items():

@@ -129,7 +129,33 @@ def test_tile_variants(tiles):
     q = torch.randn(M, r, device=DEV)
     ref, scale = p.double() @ w.double().t(), p.double().abs() @ w.double().abs().t()
     close(L.project(p, w, tiles), ref, scale, torch.float32)
-    close(L.expand(q, w.t(), p, torch.float32, tiles), p.double() + q.double() @ w.double(),
+    close(L.expand(L.to_parts(q), w.t(), p, torch.float32, tiles), p.double() + q.double() @ w.double(),
           p.double().abs() + q.double().abs() @ w.double().abs(), torch.float32)
-    close(L.reduce_tokens(p, q, tiles), p.double().t() @ q.double(), p.double().abs().t() @ q.double().abs(),
-          torch.float32)
+    close(L.reduce_tokens(p, L.to_parts(q), tiles), p.double().t() @ q.double(),
+          p.double().abs().t() @ q.double().abs(), torch.float32)
+
+
+def test_products_through_parts():
+    """project writes its output as BF16 parts, into columns of wider planes: hi + mid + lo, summed
+    in that order, is the FP32 output exactly (the one project returns without planes), and they
+    are the parts `to_parts` makes of it. expand and reduce_tokens read parts at any row stride:
+    the same bits as from a contiguous copy, and the products to FP32 accuracy."""
+    M, n_in = (3000, 576) if not INTERPRET else (70, 100)
+    p = torch.randn(M, n_in, device=DEV)
+    planes = torch.full((3, M, 24), float("nan"), device=DEV, dtype=torch.bfloat16)
+    for r, cols in ((16, slice(0, 16)), (5, slice(19, 24))):
+        w = torch.randn(r, n_in, device=DEV) / n_in ** 0.5
+        L.project(p, w, parts=planes[:, :, cols])
+        q, parts = L.project(p, w), planes[:, :, cols]
+        assert torch.equal(parts, L.to_parts(q))
+        hi, mid, lo = parts.float()
+        assert torch.equal((hi + mid) + lo, q)
+        g = torch.randn(M, 40, device=DEV).bfloat16()
+        b = torch.randn(40, r, device=DEV)
+        db, delta = L.reduce_tokens(g, parts), L.expand(parts, b, None, torch.float32)
+        assert torch.equal(db, L.reduce_tokens(g, parts.contiguous()))
+        assert torch.equal(delta, L.expand(parts.contiguous(), b, None, torch.float32))
+        qd = q.double()
+        close(db, g.double().t() @ qd, g.double().abs().t() @ qd.abs(), torch.float32)
+        close(delta, qd @ b.double().t(), qd.abs() @ b.double().abs().t(), torch.float32)
+    assert planes[:, :, 16:19].float().isnan().all()                      # the columns between untouched

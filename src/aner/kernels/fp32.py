@@ -19,25 +19,40 @@ def fp32_dot(a, b, acc, A_BF16: tl.constexpr, TC: tl.constexpr):
     """acc + a (X, Y) @ b (Y, Z) to FP32 accuracy; b holds FP32 values, a FP32/FP16 values, or
     BF16 values when A_BF16.
 
-    TC 0: FP32 fused multiply-adds (tl.dot "ieee"). TC 1: on the BF16 tensor cores. Each FP32
-    operand is split exactly into three BF16 parts; a product of two BF16 parts is exact in FP32,
-    and the tensor cores sum them in FP32. The six products of weight >= 2^-16 of the leading one
-    are summed, smallest first (three when a is BF16: every product); the three left out are below
-    2^-24 of it, FP32's own rounding. Several times the FMA throughput, and no TF32 anywhere.
+    TC 0: FP32 fused multiply-adds (tl.dot "ieee"). TC 1: on the BF16 tensor cores, through b's
+    parts (`parts_dot`).
     """
     if TC:
         b_hi, b_mid, b_lo = bf16_parts(b)
-        if A_BF16:
-            acc = tl.dot(a, b_lo, acc, out_dtype=tl.float32)
-            acc = tl.dot(a, b_mid, acc, out_dtype=tl.float32)
-            return tl.dot(a, b_hi, acc, out_dtype=tl.float32)
-        else:
-            a_hi, a_mid, a_lo = bf16_parts(a.to(tl.float32))
-            acc = tl.dot(a_lo, b_hi, acc, out_dtype=tl.float32)
-            acc = tl.dot(a_mid, b_mid, acc, out_dtype=tl.float32)
-            acc = tl.dot(a_hi, b_lo, acc, out_dtype=tl.float32)
-            acc = tl.dot(a_mid, b_hi, acc, out_dtype=tl.float32)
-            acc = tl.dot(a_hi, b_mid, acc, out_dtype=tl.float32)
-            return tl.dot(a_hi, b_hi, acc, out_dtype=tl.float32)
+        return parts_dot(a, b_hi, b_mid, b_lo, acc, A_BF16)
     else:
         return tl.dot(a.to(tl.float32), b, acc, input_precision="ieee", out_dtype=tl.float32)
+
+
+@triton.jit
+def parts_dot(a, b_hi, b_mid, b_lo, acc, A_BF16: tl.constexpr):
+    """acc + a @ (b_hi + b_mid + b_lo) on the BF16 tensor cores, for b given by its exact BF16
+    parts (`bf16_parts`) and a as in `fp32_dot`. a is split the same way unless it is BF16; a
+    product of two BF16 parts is exact in FP32, and the tensor cores sum them in FP32. The six
+    products of weight >= 2^-16 of the leading one are summed, smallest first (three when a is
+    BF16: every product); the three left out are below 2^-24 of it, FP32's own rounding. Several
+    times the FMA throughput, and no TF32 anywhere."""
+    if A_BF16:
+        acc = tl.dot(a, b_lo, acc, out_dtype=tl.float32)
+        acc = tl.dot(a, b_mid, acc, out_dtype=tl.float32)
+        return tl.dot(a, b_hi, acc, out_dtype=tl.float32)
+    else:
+        a_hi, a_mid, a_lo = bf16_parts(a.to(tl.float32))
+        return six_dot(a_hi, a_mid, a_lo, b_hi, b_mid, b_lo, acc)
+
+
+@triton.jit
+def six_dot(a_hi, a_mid, a_lo, b_hi, b_mid, b_lo, acc):
+    """acc + a @ b for both operands given by their BF16 parts: the six products of `parts_dot`,
+    smallest first."""
+    acc = tl.dot(a_lo, b_hi, acc, out_dtype=tl.float32)
+    acc = tl.dot(a_mid, b_mid, acc, out_dtype=tl.float32)
+    acc = tl.dot(a_hi, b_lo, acc, out_dtype=tl.float32)
+    acc = tl.dot(a_mid, b_hi, acc, out_dtype=tl.float32)
+    acc = tl.dot(a_hi, b_mid, acc, out_dtype=tl.float32)
+    return tl.dot(a_hi, b_hi, acc, out_dtype=tl.float32)

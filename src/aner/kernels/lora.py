@@ -7,7 +7,7 @@ policy this converts x to FP32, writes delta as a (tokens, out) FP32 matrix, con
 it, and backward does the same in reverse: about 16 bytes of traffic per output element each way,
 for 2 * r multiply-adds of work. Here three kernels cover forward and backward:
 
-    project        (M, N) @ W^T -> (M, r)       u = x @ A^T;  du = g @ B
+    project        (M, N) @ W^T -> (M, r)       u = x @ A^T;  du = g @ B  (u, du as BF16 parts)
     expand         (base +) (M, r) @ W^T -> (M, N)  delta = u @ B^T;  du @ A (each + a base's own, or not)
     reduce_tokens  (M, N)^T @ (M, r) -> (N, r)  dB = g^T @ u;  dA^T = x^T @ du
 
@@ -24,11 +24,15 @@ du @ A for the input gradient.
 Each reads its (M, N) operand once in its own dtype (FP32, FP16 or BF16) and computes its
 products to FP32 accuracy, as the adapter policy requires: on the tensor cores through exact BF16
 parts of the FP32 values, summed in FP32 (`fp32.fp32_dot`; measured on the H200 at several times
-the FP32 multiply-add rate), or with FP32 multiply-adds (`Tiles(tc=False)`). No TF32. `expand`
-rounds its output once. Reductions over a long dimension are split into a fixed number of parts that a
+the FP32 multiply-add rate), or with FP32 multiply-adds (`Tiles(tc=False)`). No TF32. u and du
+are carried as their exact BF16 parts (hi, mid, lo: three (M, r) planes), which the ordered sum
+that ends project writes; expand and reduce_tokens load them where they would otherwise split
+the same (M, r) tile again in every one of their programs (the same bits). `expand` rounds its
+output once. Reductions over a long dimension are split into a fixed number of parts that a
 second kernel sums in order. Tiles and splits are fixed functions of the shapes: the same inputs
 give the same bits on every run. The pure-torch reference is the unfused path in `aner.adapters`.
 """
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -36,7 +40,7 @@ import triton
 import triton.language as tl
 
 from . import TARGET_PROGRAMS
-from .fp32 import fp32_dot
+from .fp32 import bf16_parts, fp32_dot, parts_dot, six_dot
 from .splits import sum_splits
 
 
@@ -78,12 +82,12 @@ def _project_kernel(p, w, out, M, N, R, stride_wr, stride_wn, STEPS: tl.constexp
 
 
 @triton.jit
-def _expand_kernel(q, w, base, out, M, N, R, stride_qm, stride_wn, stride_wr, STEPS: tl.constexpr,
+def _expand_kernel(q, w, base, out, M, N, R, q_plane, q_rows, stride_wn, stride_wr, STEPS: tl.constexpr,
                    HAS_BASE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, RP: tl.constexpr,
                    TC: tl.constexpr):
-    """out (M, N) = base + q (M, R) @ w^T for q given by its row stride and w (N, R) by its
-    strides; FP32, one rounding. Program (j, s) writes column tile j of row tiles
-    [s, s + 1) * STEPS, loading its tile of w once."""
+    """out (M, N) = base + q (M, R) @ w^T for q given by its three BF16 parts (planes q_plane
+    apart, rows q_rows apart) and w (N, R) by its strides; FP32, one rounding. Program (j, s)
+    writes column tile j of row tiles [s, s + 1) * STEPS, loading its tile of w once."""
     offs_n = tl.program_id(0) * BN + tl.arange(0, BN)
     pid_s = tl.program_id(1)
     offs_r = tl.arange(0, RP)
@@ -91,12 +95,16 @@ def _expand_kernel(q, w, base, out, M, N, R, stride_qm, stride_wn, stride_wr, ST
     r_mask = offs_r < R
     wt = tl.load(w + offs_r[:, None] * stride_wr + offs_n[None, :] * stride_wn,
                  mask=r_mask[:, None] & n_mask[None, :], other=0.0)                # (RP, BN)
+    w_hi, w_mid, w_lo = bf16_parts(wt)
     for i in range(0, STEPS):
         offs_m = (pid_s * STEPS + i) * BM + tl.arange(0, BM)
         m_mask = offs_m < M
-        qt = tl.load(q + offs_m.to(tl.int64)[:, None] * stride_qm + offs_r[None, :],
-                     mask=m_mask[:, None] & r_mask[None, :], other=0.0)           # (BM, RP)
-        acc = fp32_dot(qt, wt, tl.zeros((BM, BN), dtype=tl.float32), False, TC)
+        hi, mid, lo = _load_parts(q, offs_m, offs_r, m_mask[:, None] & r_mask[None, :], q_plane, q_rows)
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        if TC:
+            acc = six_dot(hi, mid, lo, w_hi, w_mid, w_lo, acc)
+        else:
+            acc = fp32_dot(_whole(hi, mid, lo), wt, acc, False, False)
         ofs = offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
         mask = m_mask[:, None] & n_mask[None, :]
         if HAS_BASE:
@@ -105,11 +113,26 @@ def _expand_kernel(q, w, base, out, M, N, R, stride_qm, stride_wn, stride_wr, ST
 
 
 @triton.jit
-def _reduce_tokens_kernel(p, q, part, M, N, R, stride_qm, STEPS: tl.constexpr,
+def _load_parts(q, offs_m, offs_r, mask, q_plane, q_rows):
+    """The (BM, RP) tiles of q's three BF16 parts at rows offs_m."""
+    at = q + offs_m.to(tl.int64)[:, None] * q_rows + offs_r[None, :]
+    return (tl.load(at, mask=mask, other=0.0), tl.load(at + q_plane, mask=mask, other=0.0),
+            tl.load(at + 2 * q_plane, mask=mask, other=0.0))
+
+
+@triton.jit
+def _whole(hi, mid, lo):
+    """The FP32 value of three BF16 parts: their sum in this order is exact."""
+    return (hi.to(tl.float32) + mid.to(tl.float32)) + lo.to(tl.float32)
+
+
+@triton.jit
+def _reduce_tokens_kernel(p, q, part, M, N, R, q_plane, q_rows, STEPS: tl.constexpr,
                           BM: tl.constexpr, BN: tl.constexpr, RP: tl.constexpr, P_BF16: tl.constexpr,
                           TC: tl.constexpr):
-    """part[s] (N, R) FP32 = p[rows of part s]^T @ q[rows of part s] for p (M, N), q (M, R) FP32
-    given by its row stride; part s is rows [s, s + 1) * STEPS * BM."""
+    """part[s] (N, R) FP32 = p[rows of part s]^T @ q[rows of part s] for p (M, N) and q (M, R)
+    given by its three BF16 parts (planes q_plane apart, rows q_rows apart); part s is rows
+    [s, s + 1) * STEPS * BM."""
     offs_n = tl.program_id(0) * BN + tl.arange(0, BN)
     pid_s = tl.program_id(1)
     offs_r = tl.arange(0, RP)
@@ -119,10 +142,13 @@ def _reduce_tokens_kernel(p, q, part, M, N, R, stride_qm, STEPS: tl.constexpr,
     for i in range(0, STEPS):
         offs_m = (pid_s * STEPS + i) * BM + tl.arange(0, BM)
         m_mask = offs_m < M
-        rows = offs_m.to(tl.int64)[:, None]
-        pt = tl.load(p + rows * N + offs_n[None, :], mask=m_mask[:, None] & n_mask[None, :], other=0.0)
-        qt = tl.load(q + rows * stride_qm + offs_r[None, :], mask=m_mask[:, None] & r_mask[None, :], other=0.0)
-        acc = fp32_dot(tl.trans(pt), qt, acc, P_BF16, TC)
+        pt = tl.load(p + offs_m.to(tl.int64)[:, None] * N + offs_n[None, :],
+                     mask=m_mask[:, None] & n_mask[None, :], other=0.0)
+        hi, mid, lo = _load_parts(q, offs_m, offs_r, m_mask[:, None] & r_mask[None, :], q_plane, q_rows)
+        if TC:
+            acc = parts_dot(tl.trans(pt), hi, mid, lo, acc, P_BF16)
+        else:
+            acc = fp32_dot(tl.trans(pt), _whole(hi, mid, lo), acc, P_BF16, False)
     tl.store(part + pid_s.to(tl.int64) * N * R + offs_n[:, None] * R + offs_r[None, :], acc,
              mask=n_mask[:, None] & r_mask[None, :])
 
@@ -150,8 +176,11 @@ def _parts(tiles: int, steps: int, split: int) -> tuple[int, int]:
     return (triton.cdiv(steps, per) if steps else 1), per
 
 
-def project(p: torch.Tensor, w: torch.Tensor, tiles: Tiles | None = None) -> torch.Tensor:
-    """p (M, N) @ w^T -> (M, R) FP32, for w (R, N) FP32 (any strides)."""
+def project(p: torch.Tensor, w: torch.Tensor, tiles: Tiles | None = None,
+            parts: torch.Tensor | None = None) -> torch.Tensor:
+    """p (M, N) @ w^T -> (M, R) FP32, for w (R, N) FP32 (any strides); with `parts` ((3, M, R)
+    BF16, e.g. columns of wider planes), written there as its BF16 parts instead, the operand
+    expand and reduce_tokens take."""
     M, N = p.shape
     R = w.shape[0]
     t = tiles or default_tiles("project", R)
@@ -161,45 +190,68 @@ def project(p: torch.Tensor, w: torch.Tensor, tiles: Tiles | None = None) -> tor
         _project_kernel[(triton.cdiv(M, t.bm), split)](
             p, w, part, M, N, R, w.stride(0), w.stride(1), STEPS=per, BM=t.bm, BN=t.bn,
             RP=_rank_tile(R), P_BF16=p.dtype == torch.bfloat16, TC=t.tc, num_warps=t.warps, num_stages=t.stages)
-    return sum_splits(part)
+    return sum_splits(part, parts=parts)
+
+
+def to_parts(q: torch.Tensor) -> torch.Tensor:
+    """(M, R) FP32 -> its exact BF16 parts (3, M, R): hi, mid, lo, the form expand and
+    reduce_tokens take q in (project writes it so)."""
+    return sum_splits(q[None], parts=torch.empty(3, *q.shape, device=q.device, dtype=torch.bfloat16))
+
+
+def _check_parts(q: torch.Tensor, M: int) -> int:
+    assert q.dtype == torch.bfloat16 and q.shape[:2] == (3, M) and q.stride(2) == 1
+    return q.shape[2]
 
 
 def expand(q: torch.Tensor, w: torch.Tensor, base: torch.Tensor | None, dtype: torch.dtype,
            tiles: Tiles | None = None) -> torch.Tensor:
-    """(base +) q (M, R) @ w^T -> (M, N) in `dtype`, for q FP32 (rows of any stride, e.g. columns
-    of a wider matrix) and w (N, R) FP32 (any strides)."""
-    M, R = q.shape
-    assert q.stride(1) == 1
+    """(base +) q (M, R) @ w^T -> (M, N) in `dtype`, for q given by its BF16 parts (3, M, R) (rows
+    of any stride, e.g. columns of wider planes) and w (N, R) FP32 (any strides)."""
+    M = q.shape[1]
+    R = _check_parts(q, M)
     N = w.shape[0]
     t = tiles or default_tiles("expand", R)
     split, per = _parts(triton.cdiv(N, t.bn), triton.cdiv(M, t.bm), t.split)
     out = torch.empty(M, N, device=q.device, dtype=dtype)
     if M:
         _expand_kernel[(triton.cdiv(N, t.bn), split)](
-            q, w, q if base is None else base, out, M, N, R, q.stride(0), w.stride(0), w.stride(1), STEPS=per,
-            HAS_BASE=base is not None, BM=t.bm, BN=t.bn, RP=_rank_tile(R), TC=t.tc,
+            q, w, q if base is None else base, out, M, N, R, q.stride(0), q.stride(1), w.stride(0), w.stride(1),
+            STEPS=per, HAS_BASE=base is not None, BM=t.bm, BN=t.bn, RP=_rank_tile(R), TC=t.tc,
             num_warps=t.warps, num_stages=t.stages)
     return out
 
 
 def reduce_tokens(p: torch.Tensor, q: torch.Tensor, tiles: Tiles | None = None) -> torch.Tensor:
-    """p (M, N)^T @ q (M, R) -> (N, R) FP32 (q's rows of any stride), the token dimension split in a
-    fixed number of parts summed in order."""
+    """p (M, N)^T @ q (M, R) -> (N, R) FP32, for q given by its BF16 parts (3, M, R) (rows of any
+    stride: `project` writes them, `to_parts` makes them), made once and loaded by every
+    program rather than split in each. The token dimension is split in a fixed number of parts
+    summed in order."""
     M, N = p.shape
-    R = q.shape[1]
-    assert q.stride(1) == 1
+    R = _check_parts(q, M)
     t = tiles or default_tiles("reduce_tokens", R)
     split, per = _parts(triton.cdiv(N, t.bn), triton.cdiv(M, t.bm), t.split)
     part = torch.zeros(split, N, R, device=p.device, dtype=torch.float32)
     if M:
         _reduce_tokens_kernel[(triton.cdiv(N, t.bn), split)](
-            p, q, part, M, N, R, q.stride(0), STEPS=per, BM=t.bm, BN=t.bn, RP=_rank_tile(R),
+            p, q, part, M, N, R, q.stride(0), q.stride(1), STEPS=per, BM=t.bm, BN=t.bn, RP=_rank_tile(R),
             P_BF16=p.dtype == torch.bfloat16, TC=t.tc, num_warps=t.warps, num_stages=t.stages)
     return sum_splits(part)
 
 
 def _stack(ts, dim):
     return ts[0] if len(ts) == 1 else torch.cat(ts, dim)
+
+
+def _planes(M: int, R: int, device) -> torch.Tensor:
+    """(3, M, R) BF16: the planes of an (M, R) matrix's parts, for project to fill."""
+    return torch.empty(3, M, R, device=device, dtype=torch.bfloat16)
+
+
+def _columns(ranks):
+    """The column slices of the stacked ranks."""
+    ends = list(itertools.accumulate(ranks))
+    return [slice(e - r, e) for e, r in zip(ends, ranks)]
 
 
 def _operand_dtype(x: torch.Tensor) -> torch.dtype:
@@ -233,9 +285,10 @@ class _AdaptedProjections(torch.autograd.Function):
         xo = x2d.to(dtype)
         a = _stack(a_s, 0)                                        # (sum r_i, in)
         ctx.ranks = [t.shape[0] for t in a_s]
-        u = project(x2d, a)                                       # (M, sum r_i) FP32
+        u = project(x2d, a, parts=_planes(x2d.shape[0], a.shape[0], x2d.device))   # (M, sum r_i) as BF16 parts
         outs, kept, ctx.graphs = [], [], []
-        for base, u_i, b in zip(bases, u.split(ctx.ranks, 1), b_s):
+        for base, cols, b in zip(bases, _columns(ctx.ranks), b_s):
+            u_i = u[:, :, cols]
             w = base.operand(dtype)
             if w is not None:
                 out = expand(u_i, b, None, dtype)                 # the delta; the GEMM adds x @ W^T
@@ -267,7 +320,9 @@ class _AdaptedProjections(torch.autograd.Function):
         x2d, a, u, *rest = ctx.saved_tensors
         b_s, kept = rest[:n], iter(rest[n:])
         gs = [g.contiguous() for g in gs]
-        du = _stack([project(g, b.t()) for g, b in zip(gs, b_s)], 1)      # (M, sum r_i): g_i @ B_i
+        du = _planes(x2d.shape[0], a.shape[0], x2d.device)       # (M, sum r_i): g_i @ B_i, as BF16 parts
+        for g, b, cols in zip(gs, b_s, _columns(ctx.ranks)):
+            project(g, b.t(), parts=du[:, :, cols])
         dx = None
         if needs[0]:
             # du @ A first when every base is a GEMM in x's dtype: each GEMM of the chain adds onto it
@@ -289,8 +344,8 @@ class _AdaptedProjections(torch.autograd.Function):
         if any(needs[3:3 + n]):                                   # (r_i, in) = du_i^T x
             da = [d.t().contiguous() if need else None
                   for d, need in zip(reduce_tokens(x2d, du).split(ctx.ranks, 1), needs[3:3 + n])]
-        db = [reduce_tokens(g, u_i) if need else None                # (out_i, r_i) = g_i^T u_i
-              for g, u_i, need in zip(gs, u.split(ctx.ranks, 1), needs[3 + n:])]
+        db = [reduce_tokens(g, u[:, :, cols]) if need else None      # (out_i, r_i) = g_i^T u_i
+              for g, cols, need in zip(gs, _columns(ctx.ranks), needs[3 + n:])]
         return dx, None, None, *da, *db
 
 

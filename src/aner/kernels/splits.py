@@ -4,11 +4,15 @@ import triton
 import triton.language as tl
 
 from . import TARGET_PROGRAMS
+from .fp32 import bf16_parts
 
 
 @triton.jit
-def _sum_splits_kernel(part, out, numel, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
-    """out = sum over s = 0, 1, .. SPLIT - 1 of part[s] (FP32, always in that order), cast."""
+def _sum_splits_kernel(part, out, numel, cols, out_plane, out_rows, SPLIT: tl.constexpr, BLOCK: tl.constexpr,
+                       PARTS: tl.constexpr):
+    """The sum over s = 0, 1, .. SPLIT - 1 of part[s] (FP32, always in that order), written cast to
+    out, or with PARTS as its BF16 parts hi, mid, lo in three planes of out, out_plane apart.
+    part[s] holds rows of `cols` elements; out takes them out_rows apart."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < numel
     ptr = part + offs
@@ -18,24 +22,44 @@ def _sum_splits_kernel(part, out, numel, SPLIT: tl.constexpr, BLOCK: tl.constexp
         # wraps once split * M * out_cols reaches 2^31 (an explicit config with a large split).
         ptr += numel
         acc += tl.load(ptr, mask=mask, other=0.0)
-    tl.store(out + offs, acc.to(out.dtype.element_ty), mask=mask)
+    at = out + (offs // cols) * out_rows + offs % cols
+    if PARTS:
+        hi, mid, lo = bf16_parts(acc)
+        tl.store(at, hi, mask=mask)
+        tl.store(at + out_plane, mid, mask=mask)
+        tl.store(at + 2 * out_plane, lo, mask=mask)
+    else:
+        tl.store(at, acc.to(out.dtype.element_ty), mask=mask)
 
 
-def sum_splits(part: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+def sum_splits(part: torch.Tensor, out: torch.Tensor | None = None,
+               parts: torch.Tensor | None = None) -> torch.Tensor:
     """part (S, ...) FP32 -> out (...) = part[0] + part[1] + ... in that order (FP32 sums), cast
-    to out's dtype (FP32 when no out is given: a single part is returned as it is)."""
-    if out is None and part.shape[0] == 1:
-        return part[0]
-    if out is None:
+    to out's dtype (FP32 when no out is given: a single part is returned as it is). With `parts`
+    ((3, ...) BF16; for a 2-D sum, planes whose rows may have any stride, e.g. columns of wider
+    planes) the sum is written there instead, as its exact BF16 parts (`fp32.bf16_parts`), and
+    parts is returned."""
+    if parts is not None:
+        assert out is None and parts.dtype == torch.bfloat16 and parts.shape == (3, *part.shape[1:])
+        out = parts
+    elif out is None:
+        if part.shape[0] == 1:
+            return part[0]
         out = torch.empty(part.shape[1:], device=part.device, dtype=torch.float32)
     # Each element's sum is a chain of loads and adds: blocks small enough for TARGET_PROGRAMS
     # programs where the output is small, e.g. a norm's weight gradient: 256 parts of 2048
     # took 23.4 us in 2 programs of 1024, 3.0 us in 64 of 32 (`benchmarks/norm_kernels.py`), the
     # same bits.
-    numel = out.numel()
+    numel, cols = part[0].numel(), part.shape[-1]
+    plane = out[0] if parts is not None else out
+    if plane.is_contiguous():
+        rows = cols
+    else:
+        assert plane.dim() == 2 and plane.stride(1) == 1
+        rows = plane.stride(0)
     if numel:
         block = min(1024, max(32, triton.next_power_of_2(triton.cdiv(numel, TARGET_PROGRAMS))))
-        _sum_splits_kernel[(triton.cdiv(numel, block),)](part, out, numel, SPLIT=part.shape[0], BLOCK=block,
-                                                         num_warps=max(1, min(4, block // 128)),
-                                                         enable_fp_fusion=False)
+        _sum_splits_kernel[(triton.cdiv(numel, block),)](
+            part, out, numel, cols, out.stride(0) if parts is not None else 0, rows, SPLIT=part.shape[0],
+            BLOCK=block, PARTS=parts is not None, num_warps=max(1, min(4, block // 128)), enable_fp_fusion=False)
     return out
