@@ -19,6 +19,9 @@
 #   ab          ours only, an earlier tree against this one, alternated ROUNDS times (default 2), one
 #               process each: OLD=a folder holding that tree's src/ and benchmarks/throughput.py
 #               (e.g. `git archive HEAD~1 src benchmarks/throughput.py | tar -x -C .whl/old`) -> ab.log, ab-{old,new}-N.json
+#   same        ours only, ROUNDS (default 3) separate processes of this tree, then benchmarks/same_bits.py:
+#               every combination's losses equal to the last bit (COMBOS, default llama-3.2-1b:qlora
+#               --steps 20) -> same.log, same-N.json
 #   profile     where one update's GPU time goes (SmolLM2 and Llama-3.2-1B LoRA, eager loop:
 #               the kernels a recorded graph replays; PROFILES="model:method:eager ..." chooses)
 # Results land in $OUT. Prepare .whl (an ignored folder) here first:
@@ -55,6 +58,10 @@ for stage in "$@"; do
           name=$([ "$tree" = "$PWD" ] && echo new || echo old)
           python3 "$tree/benchmarks/throughput.py" "$OUT/ab-$name-$round.json" --no-peer ${COMBOS:-} 2>&1 | sed "s/^/$name /"
         done; done | tee "$OUT/ab.log" ;;
+    same) for round in $(seq "${ROUNDS:-3}"); do
+            python3 benchmarks/throughput.py "$OUT/same-$round.json" --no-peer ${COMBOS:-llama-3.2-1b:qlora --steps 20} 2>&1
+          done | grep "ours" | tee "$OUT/same.log"
+          python3 benchmarks/same_bits.py "$OUT"/same-*.json | tee -a "$OUT/same.log" ;;
     profile) for c in ${PROFILES:-smollm2-135m:lora:eager llama-3.2-1b:lora:eager}; do python3 benchmarks/throughput.py --profile $c; done 2>&1 \
                | tee "$OUT/profile.log" | grep -v "^-" | cut -c1-160 | head -n 90 ;;
     *) echo "unknown stage $stage"; exit 2 ;;
