@@ -194,9 +194,9 @@ def project(p: torch.Tensor, w: torch.Tensor, tiles: Tiles | None = None,
 
 
 def to_parts(q: torch.Tensor) -> torch.Tensor:
-    """(M, R) FP32 -> its exact BF16 parts (3, M, R): hi, mid, lo, the form expand and
-    reduce_tokens take q in (project writes it so)."""
-    return sum_splits(q[None], parts=torch.empty(3, *q.shape, device=q.device, dtype=torch.bfloat16))
+    """(M, R) FP32 (any strides) -> its exact BF16 parts (3, M, R): hi, mid, lo, the form expand
+    and reduce_tokens take q in (project writes it so)."""
+    return sum_splits(q.contiguous()[None], parts=torch.empty(3, *q.shape, device=q.device, dtype=torch.bfloat16))
 
 
 def _check_parts(q: torch.Tensor, M: int) -> int:
