@@ -22,6 +22,9 @@
 #   same        ours only, ROUNDS (default 3) separate processes of this tree, then benchmarks/same_bits.py:
 #               every combination's losses equal to the last bit (COMBOS, default llama-3.2-1b:qlora
 #               --steps 20) -> same.log, same-N.json
+#   replay      ours only, every update's recorded graph replayed REPLAYS (default 50) more times over
+#               the same inputs, each compared with the first to the last bit (benchmarks/replay_bits.py;
+#               COMBOS, default llama-3.2-1b:qlora) -> <date>-h200-replay-bits.json
 #   profile     where one update's GPU time goes (SmolLM2 and Llama-3.2-1B LoRA, eager loop:
 #               the kernels a recorded graph replays; PROFILES="model:method:eager ..." chooses)
 # Results land in $OUT. Prepare .whl (an ignored folder) here first:
@@ -62,6 +65,8 @@ for stage in "$@"; do
             python3 benchmarks/throughput.py "$OUT/same-$round.json" --no-peer ${COMBOS:-llama-3.2-1b:qlora --steps 20} 2>&1
           done | grep "ours" | tee "$OUT/same.log"
           python3 benchmarks/same_bits.py "$OUT"/same-*.json | tee -a "$OUT/same.log" ;;
+    replay) python3 benchmarks/replay_bits.py "$OUT/$day-h200-replay-bits.json" ${COMBOS:-llama-3.2-1b:qlora} \
+              --replays "${REPLAYS:-50}" 2>&1 | tee "$OUT/replay-bits.log" ;;
     profile) for c in ${PROFILES:-smollm2-135m:lora:eager llama-3.2-1b:lora:eager}; do python3 benchmarks/throughput.py --profile $c; done 2>&1 \
                | tee "$OUT/profile.log" | grep -v "^-" | cut -c1-160 | head -n 90 ;;
     *) echo "unknown stage $stage"; exit 2 ;;

@@ -33,7 +33,11 @@ def _reference(p, g, m, v, t, lr, beta1, beta2, eps, weight_decay, divisor):
         p = fma(-(lr * f32(weight_decay)), p, p)
     m = fma(b1, m, fma(-b1, g, g))
     v = fma(b2, v, fma(-b2, g * g, g * g))
-    step, root2 = lr / (f32(1) - b1 ** t), np.sqrt(f32(1) - b2 ** t)
+    # the bias corrections by torch's own FP32 pow and square root, as its fused update makes them
+    # on its device: on a CPU torch's square root is not always numpy's correctly rounded one (one
+    # unit in the last place below it for 1 - 0.999 ** t at t = 4, 8, 9, 10, ...)
+    c = 1 - torch.pow(torch.tensor([beta1, beta2]), torch.tensor(float(t)))
+    step, root2 = lr / c[0].numpy(), c[1].sqrt().numpy()
     p = p - (step * m) / (np.sqrt(v) / root2 + eps)
     return p, m, v
 
