@@ -1,4 +1,8 @@
-"""Where the Triton kernel tests run: a CUDA device, or the CPU under Triton's interpreter."""
+"""Where the Triton kernel tests run: a CUDA device, or the CPU under Triton's interpreter.
+
+The interpreter of Triton 3.6 needs numpy < 2.4: it makes a Python int of a one-element array for
+a loop bound computed in a kernel (the attention's), which numpy 2.4 refuses (TypeError: only
+0-dimensional arrays can be converted to Python scalars)."""
 import importlib.util
 import os
 
