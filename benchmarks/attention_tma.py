@@ -70,20 +70,13 @@ def tma_forward(q, k, v, bm, bn, warps, stages, ws):
     lse = torch.empty(B, H, T, device=q.device, dtype=torch.float32)
     _fwd_tma[(B * H, triton.cdiv(T, bm))](q, k, v, o, lse, q.stride(0), q.stride(2), k.stride(0), k.stride(2),
                                           v.stride(0), v.stride(2), o.stride(0), o.stride(2), B, H,
-                                          H // k.shape[1], T, ours.LOG2E / math.sqrt(E), BM=bm, BN=bn, E=E, WS=ws,
+                                          H // k.shape[1], T, 1.0 / math.sqrt(E) * ours.LOG2E, BM=bm, BN=bn, E=E, WS=ws,
                                           num_warps=warps, num_stages=stages)
     return o, lse
 
 
 def ours_forward(q, k, v):
-    B, H, T, E = q.shape
-    tiles = ours.TILES[64 if E <= 64 else 128]
-    o = torch.empty(B, T, H, E, device=q.device, dtype=q.dtype).transpose(1, 2)
-    lse = torch.empty(B, H, T, device=q.device, dtype=torch.float32)
-    ours._launch(ours._fwd_kernel, (B * H, triton.cdiv(T, tiles["fwd"][0])),
-                 (q, k, v, o, lse, *ours._strides(q), *ours._strides(k), *ours._strides(v), *ours._strides(o), H,
-                  H // k.shape[1], T, ours.LOG2E / math.sqrt(E)), tiles["fwd"])
-    return o, lse
+    return ours.forward(q, k, v, ours.TILES[64 if q.shape[-1] <= 64 else 128])
 
 
 def main(out: str):

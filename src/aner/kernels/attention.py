@@ -203,22 +203,25 @@ def _launch(kernel, grid, args, tiles):
     kernel[grid](*args, BM=bm, BN=bn, E=args[0].shape[-1], num_warps=warps, num_stages=stages)
 
 
+def forward(q, k, v, tiles):
+    """(o, lse): the forward kernel's output, in (B, T, H, E) memory (the model's reshape of it to
+    (B, T, H * E) is a view), and each row's log-sum-exp (base 2)."""
+    B, H, T, E = q.shape
+    o = torch.empty(B, T, H, E, device=q.device, dtype=q.dtype).transpose(1, 2)
+    lse = torch.empty(B, H, T, device=q.device, dtype=torch.float32)
+    if q.numel():
+        _launch(_fwd_kernel, (B * H, triton.cdiv(T, tiles["fwd"][0])),
+                (q, k, v, o, lse, *_strides(q), *_strides(k), *_strides(v), *_strides(o), H, H // k.shape[1], T,
+                 1.0 / math.sqrt(E) * LOG2E), tiles["fwd"])
+    return o, lse
+
+
 class _Attention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, tiles):
-        B, H, T, E = q.shape
-        group = H // k.shape[1]
-        # o in (B, T, H, E) memory: the model's reshape of it to (B, T, H * E) is a view
-        o = torch.empty(B, T, H, E, device=q.device, dtype=q.dtype).transpose(1, 2)
-        lse = torch.empty(B, H, T, device=q.device, dtype=torch.float32)
-        scale = 1.0 / math.sqrt(E)
-        if q.numel():
-            bm = tiles["fwd"][0]
-            _launch(_fwd_kernel, (B * H, triton.cdiv(T, bm)),
-                    (q, k, v, o, lse, *_strides(q), *_strides(k), *_strides(v), *_strides(o), H, group, T,
-                     scale * LOG2E), tiles["fwd"])
+        o, lse = forward(q, k, v, tiles)
         ctx.save_for_backward(q, k, v, o, lse)
-        ctx.tiles, ctx.scale = tiles, scale
+        ctx.tiles, ctx.scale = tiles, 1.0 / math.sqrt(q.shape[-1])
         return o
 
     @staticmethod
