@@ -22,6 +22,7 @@ runs the adapters' products through the fused kernels (adapter_kernel="fused") a
 and the head's cross-entropy through theirs (layer_kernel="fused"); the flag `:eager` measures
 the eager loop instead, `:torch` the adapters' torch ops, `:torch-layers` the layers' torch ops,
 `:fused` QLoRA's products through the fused NF4 kernels (nf4_kernel="fused", no decoded weight),
+`:kept` each decoded weight kept from the forward for the backward (nf4_kernel="decoded_kept"),
 `:microN` N sequences a micro-batch (8 / N micro-batches an update; 8 by default), `:noclip`
 no clipping of the gradient norm (ours clips at 1.0 by default; the peer's loop never clips: with
 `:noclip` both sides do the same work), `:cudnn` attention through cuDNN's deterministic kernels
@@ -99,18 +100,18 @@ def data(vocab: int):
 
 
 def parse(combo: str) -> tuple[str, str, dict]:
-    """'model:method[:eager][:torch][:torch-layers][:fused][:microN][:noclip][:cudnn]' -> (model, method,
+    """'model:method[:eager][:torch][:torch-layers][:fused][:kept][:microN][:noclip][:cudnn]' -> (model, method,
     profile choices besides the BF16 policy); microN is read by `micro_batch`, noclip by `clip_norm`."""
     model, method, *flags = combo.split(":")
-    assert {f for f in flags if not f.startswith("micro")} <= {"eager", "torch", "torch-layers", "fused", "noclip",
-                                                                   "cudnn"}, combo
+    assert {f for f in flags if not f.startswith("micro")} <= {"eager", "torch", "torch-layers", "fused", "kept",
+                                                                   "noclip", "cudnn"}, combo
     choices = {"cuda_graphs": "eager" not in flags,
                "adapter_kernel": "torch" if "torch" in flags or method == "full" else "fused",
                "layer_kernel": "torch" if "torch-layers" in flags else "fused"}
     if "cudnn" in flags:
         choices["attention_kernel"] = "cudnn"
     if method == "qlora":
-        choices["nf4_kernel"] = "fused" if "fused" in flags else "decoded"
+        choices["nf4_kernel"] = "fused" if "fused" in flags else "decoded_kept" if "kept" in flags else "decoded"
     return model, method, choices
 
 

@@ -25,8 +25,9 @@ no TileConfig given, a Hopper GPU runs the large FP16/BF16 ones through the warp
 kernels of `nf4_ws.py` (the decode in warps of its own beside the MMA's; `nf4_ws.supported`). The
 decoded products (`fused_nf4_linear(..., decoded=True)`, the profile's nf4_kernel="decoded")
 decode the whole W with `nf4_decode` into a transient buffer of the operand dtype, multiply it
-with cuBLAS and free it; backward decodes it again. Their bits are those of a dense weight equal
-to NF4Weight.dequantize() rounded to that dtype.
+with cuBLAS and free it; backward decodes it again (nf4_kernel="decoded_kept": the forward's is
+kept for it). Their bits are those of a dense weight equal to NF4Weight.dequantize() rounded to
+that dtype.
 
 Nothing uses atomics or autotuning: each output element is summed by one program in a fixed
 order (split-K partials are reduced by a second kernel in split order; cuBLAS runs under the
@@ -655,32 +656,39 @@ class _FusedNF4Linear(torch.autograd.Function):
 
 
 class _DecodedNF4Linear(torch.autograd.Function):
-    """y = x @ W^T through a frozen packed W decoded whole for each product (cuBLAS), then freed:
-    a dense weight's bits, with one transient (N, K) buffer of x's dtype at a time."""
+    """y = x @ W^T through a frozen packed W decoded whole for each product (cuBLAS): a dense
+    weight's bits. The decoded (N, K) buffer of x's dtype is freed after the product and made
+    again for the input gradient, or with `kept` saved for it (a decode less, the buffer alive
+    until backward)."""
 
     @staticmethod
-    def forward(ctx, x2d, packed):
-        ctx.packed = packed
-        return torch.nn.functional.linear(x2d, nf4_decode(packed, x2d.dtype))
+    def forward(ctx, x2d, packed, kept):
+        w = nf4_decode(packed, x2d.dtype)
+        ctx.packed = None if kept else packed
+        if kept:
+            ctx.save_for_backward(w)
+        return torch.nn.functional.linear(x2d, w)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_y):
         grad_x = None
         if ctx.needs_input_grad[0]:
-            grad_x = grad_y @ nf4_decode(ctx.packed, grad_y.dtype)
-        return grad_x, None
+            w = ctx.saved_tensors[0] if ctx.packed is None else nf4_decode(ctx.packed, grad_y.dtype)
+            grad_x = grad_y @ w
+        return grad_x, None, None
 
 
-def fused_nf4_linear(x: torch.Tensor, packed: DevicePacked, decoded: bool = False) -> torch.Tensor:
+def fused_nf4_linear(x: torch.Tensor, packed: DevicePacked, decoded: bool = False, kept: bool = False) -> torch.Tensor:
     """x (..., K) -> (..., N) = x @ W^T in x's dtype, with an input gradient: through the fused
-    kernels (nf4_matmul, nf4_matmul_t), or with `decoded` through a whole decoded W and cuBLAS."""
+    kernels (nf4_matmul, nf4_matmul_t), or with `decoded` through a whole decoded W and cuBLAS
+    (with `kept` the forward's decoded W is kept for the input gradient, not decoded again)."""
     _check_packed(packed)
     N, K = packed.shape
     if not isinstance(x, torch.Tensor) or x.dtype not in FLOATS:
         raise ConfigError(f"x must be a float32, float16 or bfloat16 tensor, got {getattr(x, 'dtype', type(x).__name__)}")
     if x.dim() == 0 or x.shape[-1] != K:
         raise ConfigError(f"x of shape {tuple(x.shape)} does not end in in_features={K} of a {packed.shape} weight")
-    op = _DecodedNF4Linear if decoded else _FusedNF4Linear
-    y = op.apply(x.reshape(-1, K).contiguous(), packed)                # (M, N), M = prod(x.shape[:-1])
+    x2d = x.reshape(-1, K).contiguous()                               # (M, K), M = prod(x.shape[:-1])
+    y = _DecodedNF4Linear.apply(x2d, packed, kept) if decoded else _FusedNF4Linear.apply(x2d, packed)
     return y.reshape(*x.shape[:-1], N)

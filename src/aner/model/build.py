@@ -11,11 +11,12 @@ from . import names
 from .llama import Block, Dense, Llama, RMSNorm, attend, rope, swiglu
 
 
-def weight_module(weight, device_copy=None, decoded=False) -> nn.Module:
+def weight_module(weight, device_copy=None, nf4_kernel="fused") -> nn.Module:
     if isinstance(weight, torch.Tensor):
         return Dense(weight)
     from ..quant.module import NF4Module
-    return NF4Module(weight, device_copy=device_copy, decoded=decoded)
+    return NF4Module(weight, device_copy=device_copy, decoded=nf4_kernel in ("decoded", "decoded_kept"),
+                     kept=nf4_kernel == "decoded_kept")
 
 
 def build(config, weights: dict, method=None, adapter_tensors: dict | None = None,
@@ -40,7 +41,7 @@ def build(config, weights: dict, method=None, adapter_tensors: dict | None = Non
     for name, (path, role, _) in table.items():
         w = weights[name]
         modules[name] = norm(w, config.rms_eps) if role == "norm" else \
-            weight_module(w, device_copies.get(name), nf4_kernel == "decoded")
+            weight_module(w, device_copies.get(name), nf4_kernel)
     if method is not None:
         for target in method.config.targets:
             modules[target] = method.wrap(target, modules[target], adapter_tensors, adapter_kernel == "fused")

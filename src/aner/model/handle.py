@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from ..errors import ConfigError
-from ..train.memory import MemorySummary, activation_bytes, admit
+from ..train.memory import MemorySummary, activation_bytes, adapter_activation_bytes, admit
 from ..train.profile import Profile
 from . import names
 from .build import build
@@ -196,14 +196,19 @@ class PretrainedModel:
 
     def _dequant_tile_bytes(self) -> int:
         """The decoded weight alive at once: host tiles of 4 MiB, none inside the fused kernels'
-        tiles, or the largest matrix in the operand dtype for the decoded products."""
-        if self._storage == "float32" or self._profile.nf4_kernel == "fused":
+        tiles, the largest matrix in the operand dtype for the decoded products, or with
+        decoded_kept every matrix that is multiplied whole (all but an untied embedding, which is
+        only looked up): the forward keeps each for its backward, and the head is decoded last."""
+        kernel = self._profile.nf4_kernel
+        if self._storage == "float32" or kernel == "fused":
             return 0
-        if self._profile.nf4_kernel == "host_tiled":
+        if kernel == "host_tiled":
             return 4 << 20
         itemsize = self._profile.compute_dtype.itemsize
-        return max(w.shape[0] * w.shape[1] * itemsize for w in self._weights.values()
-                   if not isinstance(w, torch.Tensor))
+        looked_up = "token_embd.weight" if "output.weight" in self._weights else None
+        sizes = [w.shape[0] * w.shape[1] * itemsize for n, w in self._weights.items()
+                 if not isinstance(w, torch.Tensor) and n != looked_up]
+        return sum(sizes) if kernel == "decoded_kept" else max(sizes)
 
     # ---- placement and profile --------------------------------------------------------------
     def to(self, device) -> "PretrainedModel":
@@ -348,14 +353,33 @@ class PretrainedModel:
                               "training data or the model's training lineage; choose disjoint rows")
 
     def _kept_bytes(self, micro_batch: int, context: int) -> int:
-        """What backward keeps over one micro-batch: the activations, and under FP16/BF16 the
-        operand-dtype copies of floating matrices that their products save."""
-        p = self._profile
+        """What backward keeps over one micro-batch: the activations (and the loss's transient
+        chunk), the adapters' products' own, and under FP16/BF16 the operand-dtype copies of
+        floating matrices that their products save."""
+        p, c = self._profile, self._source.config
         itemsize = p.compute_dtype.itemsize
         casts = 0 if itemsize == 4 else sum(w.numel() * itemsize for w in self._weights.values()
                                             if isinstance(w, torch.Tensor) and w.dim() == 2)
-        return casts + activation_bytes(self._source.config, micro_batch, context, self._device, itemsize,
-                                        p.layer_kernel == "fused", self._method is None)
+        adapters = 0
+        if self._method is not None:
+            cfg, shapes = self._method.config, self._shapes()
+            adapters = adapter_activation_bytes(cfg.method, [(*shapes[t], cfg.rank) for t in cfg.targets],
+                                                micro_batch * context, itemsize, p.adapter_kernel == "fused")
+        return casts + adapters + activation_bytes(c, micro_batch, context, self._device, itemsize,
+                                                   p.layer_kernel == "fused", self._method is None,
+                                                   self._fused_attention())
+
+    def _fused_attention(self) -> bool:
+        """Whether attention runs through our kernel or cuDNN's under this profile (not torch's)."""
+        kernel = self._profile.attention_kernel or self._profile.layer_kernel
+        if kernel == "torch":
+            return False
+        if kernel == "fused":
+            from ..kernels.attention import supported
+        else:
+            from ..kernels.cudnn_attention import supported
+        c = self._source.config
+        return supported(torch.empty(0, 0, 0, c.head_dim, dtype=self._profile.compute_dtype, device="meta"))
 
     def _training_bytes(self, micro_batch: int, context: int) -> int:
         """The estimate that training is admitted by: tensors, two gradient sets (a micro-batch's

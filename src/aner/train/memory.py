@@ -63,28 +63,55 @@ class MemorySummary:
 
 
 def activation_bytes(config, micro_batch: int, tokens: int, device: str = "cpu", itemsize: int = 4,
-                     fused_layers: bool = False, trained_head: bool = False) -> int:
+                     fused_layers: bool = False, trained_head: bool = False, fused_attention: bool = False) -> int:
     """Conservative activations kept for backward over one micro-batch of `tokens` positions, for
-    products in a dtype of `itemsize` bytes (4 under the FP32 policy, 2 under FP16/BF16).
+    products in a dtype of `itemsize` bytes (4 under the FP32 policy, 2 under FP16/BF16), and the
+    loss's transient chunk (`loss_chunk_bytes`); the adapters' own are `adapter_activation_bytes`.
 
-    Per layer: the two FP32 residual streams the norms read, and two more FP32 width-sized
-    tensors that the torch norms keep (none with the fused norms, `fused_layers`); 6 width-sized
-    tensors in the operand dtype (the two normed inputs, q, k, v after RoPE, the attention output
-    and its copy) and 4 feed-forward sized (gate, up, activation, product); on the CPU, the
-    attention probabilities (H x T x T) in FP32, where CUDA's fused attention kernels keep one
-    log-sum-exp per row and head instead. Plus one chunk of FP32 logits over the vocabulary with
-    its softmax and gradient (train/loss.py), or the fused loss's larger chunk for a trained head
-    in the operand dtype where that is more, and the hidden states' gradient the chunked loss
-    keeps. With the torch norms under the FP32 policy: 10 width-sized and 4 feed-forward sized FP32
-    tensors, as before the operand dtype was counted.
+    Per layer, in FP32: the two residual streams the norms read, and two more width-sized tensors
+    that the torch norms keep (none with the fused norms, `fused_layers`); each row's log-sum-exp
+    per head, or on the CPU the attention probabilities (H x T x T). In the operand dtype: the
+    normed inputs (one per group of projections from the fused norms; from the torch norms up to
+    one cast per product: 5), q and the attention output (the attention kernels of
+    `fused_attention` write it where the output projection reads it; torch's is transposed into a
+    copy), k and v at the key/value width (torch's attention may expand them to every query head:
+    counted at both), and the feed-forward's gate and up and their product (the torch ops keep
+    silu(gate) too). Plus the final norm's FP32 residual stream, its output (FP32 from the torch
+    norm) and the hidden states' FP32 gradient that the chunked loss keeps.
     """
+    c = config
+    kv = c.n_kv_head * c.head_dim
+    fp32 = 4 * (2 if fused_layers else 4) * c.dim + 4 * c.n_head * (tokens if device == "cpu" else 1)
+    width = (2 if fused_layers else 5) * c.dim + 2 * c.dim + 2 * kv + (0 if fused_attention else 3 * c.dim)
+    ffn = (3 if fused_layers else 4) * c.ffn_dim
+    per_layer = tokens * (fp32 + itemsize * (width + ffn))
+    positions = micro_batch * tokens
+    final = tokens * c.dim * (4 + (itemsize if fused_layers else 4) + 4)
+    return micro_batch * (c.n_layer * per_layer + final) + \
+        loss_chunk_bytes(c, positions, itemsize, fused_layers, trained_head)
+
+
+def adapter_activation_bytes(method: str, shapes: list, positions: int, itemsize: int, fused: bool) -> int:
+    """What the adapters' products keep for backward over `positions` tokens, for targets of
+    `shapes` [(out, in, rank)]: each x A^T (FP32, or the fused kernels' three BF16 parts) and each
+    scaled B (out x rank, FP32); on the torch path under FP16/BF16, an FP32 copy of the input
+    where A is trained (lora, rslora)."""
+    total = 0
+    for out, inp, r in shapes:
+        total += 4 * out * r + positions * (6 * r if fused else 4 * r)
+        if not fused and itemsize < 4 and method in ("lora", "rslora"):
+            total += 4 * positions * inp
+    return total
+
+
+def loss_chunk_bytes(config, positions: int, itemsize: int = 4, fused_layers: bool = False,
+                     trained_head: bool = False) -> int:
+    """The loss's transient logits (train/loss.py): one chunk of FP32 logits over the vocabulary
+    with its softmax and gradient, or the fused loss's larger chunk for a trained head in the
+    operand dtype where that is more."""
     from .loss import chunk_positions
     c = config
-    fp32_width = 2 if fused_layers else 4
-    attention = c.n_head * tokens if device == "cpu" else c.n_head
-    per_layer = tokens * (4 * (fp32_width * c.dim + attention) + itemsize * (6 * c.dim + 4 * c.ffn_dim))
-    positions = micro_batch * tokens
     logits = 4 * 3 * min(positions, chunk_positions(c.vocab_size)) * c.vocab_size
     if fused_layers and trained_head:
         logits = max(logits, itemsize * c.vocab_size * min(positions, chunk_positions(c.vocab_size, itemsize, c.dim)))
-    return micro_batch * (c.n_layer * per_layer + 4 * tokens * c.dim) + logits
+    return logits

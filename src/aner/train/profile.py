@@ -2,10 +2,12 @@
 
     precision  float32 | float16 | bfloat16   operation policy for projections and attention
     optimizer  adamw | paged_adamw            where the FP32 Adam moments live
-    nf4_kernel host_tiled | fused | decoded   how a packed NF4 base is decoded: bounded tiles on
-                                              the host, inside the GPU matrix kernels' tiles, or
-                                              whole on the GPU into a transient buffer for cuBLAS
-                                              (`kernels/nf4.py`)
+    nf4_kernel host_tiled | fused | decoded | decoded_kept   how a packed NF4 base is decoded:
+                                              bounded tiles on the host, inside the GPU matrix
+                                              kernels' tiles, or whole on the GPU into a transient
+                                              buffer for cuBLAS, made again for backward or kept
+                                              for it (one decode a micro-batch, every decoded
+                                              matrix alive until backward; `kernels/nf4.py`)
     adapter_kernel torch | fused              how an adapter's rank-r products run on a GPU:
                                               torch ops, or Triton kernels that never write
                                               the (tokens, out) FP32 delta; around a GEMM
@@ -54,7 +56,7 @@ from ..errors import ConfigError
 
 PRECISIONS = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 OPTIMIZERS = ("adamw", "paged_adamw")
-NF4_KERNELS = ("host_tiled", "fused", "decoded")
+NF4_KERNELS = ("host_tiled", "fused", "decoded", "decoded_kept")
 ADAPTER_KERNELS = ("torch", "fused")
 LAYER_KERNELS = ("torch", "fused")
 ATTENTION_KERNELS = ("torch", "fused", "cudnn")
