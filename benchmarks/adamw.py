@@ -12,6 +12,11 @@ full fine-tuning under BF16 does, against fused=True with the divisor followed b
 (what the forward made before). Each warms up with one update, then N timed updates (device
 synchronised); the record gives the median seconds per update, the ratios, and whether ours
 equals fused=True bit for bit after all updates, in each setting (the casts too).
+
+On CUDA each row also times clipping's norm over the same gradients: the float64 sum of squares by
+our kernel (`kernels.adamw.squares`, at its default chunk and warps and at others) against torch's
+float64 multi-tensor norm (`torch._foreach_norm`, each tensor's norm squared and summed: what the
+clipping made before), with each one's bandwidth and relative difference from the float64 sum.
 """
 import argparse
 import datetime
@@ -101,6 +106,40 @@ def measure(model: str, device: str, n: int) -> dict:
             **{f"ours{k[5:]}_equals_{k}_bitwise": same(k) for k in peers if k.startswith("fused")}}
 
 
+def queued(f, n: int, calls: int = 10) -> list[float]:
+    """Seconds a call of f, the GPU's time over `calls` calls queued back to back (the host's work
+    between them hidden as in training), n times."""
+    f()
+    out = []
+    for _ in range(n):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(calls):
+            f()
+        end.record()
+        end.synchronize()
+        out.append(start.elapsed_time(end) / 1e3 / calls)
+    return out
+
+
+def clipping_norm(model: str, device: str, n: int) -> dict:
+    from aner.kernels.adamw import squares
+    g = torch.Generator(device=device).manual_seed(1)
+    grads = [torch.randn(s, device=device, generator=g) for s in shapes(model)]
+    exact = sum(float(t.double().pow(2).sum()) for t in grads)
+    variants = {"foreach": lambda: torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float64)).pow(2).sum(),
+                "ours": lambda: squares(grads)}
+    for chunk, warps in ((4096, 4), (4096, 8), (16384, 4), (16384, 8), (16384, 16), (32768, 8), (32768, 16)):
+        variants[f"ours {chunk}x{warps}"] = lambda c=chunk, w=warps: squares(grads, c, w)
+    nbytes = 4 * sum(t.numel() for t in grads)
+    out = {}
+    for name, f in variants.items():
+        median = statistics.median(queued(f, n))
+        out[name] = {"ms": median * 1e3, "tb_per_s": nbytes / median / 1e12,
+                     "relative_difference": abs(float(f()) - exact) / exact, "same_bits_twice": bool(f() == f())}
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out", type=Path)
@@ -110,6 +149,9 @@ def main():
     args = ap.parse_args()
     torch.manual_seed(0)
     rows = [measure(m, args.device, args.updates) for m in args.models]
+    if args.device != "cpu":
+        for r in rows:
+            r["clipping_norm"] = clipping_norm(r["model"], args.device, 4 * args.updates)
     record = {"benchmark": "adamw", "date": datetime.date.today().isoformat(), "device": args.device,
               "host": platform.platform(), "torch": torch.__version__, "threads": torch.get_num_threads(),
               "gpu": torch.cuda.get_device_name(args.device) if args.device != "cpu" else None,
@@ -119,6 +161,9 @@ def main():
         ms = ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in r["seconds_per_update"].items())
         equal = ", ".join(f"{k}: {v}" for k, v in r.items() if k.endswith("_bitwise"))
         print(f"{r['model']}: {ms}; {equal}")
+        for name, c in r.get("clipping_norm", {}).items():
+            print(f"  clipping norm {name:18} {c['ms']:6.3f} ms {c['tb_per_s']:5.2f} TB/s "
+                  f"relative difference {c['relative_difference']:.1e} same bits twice {c['same_bits_twice']}")
 
 
 if __name__ == "__main__":

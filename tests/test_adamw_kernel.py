@@ -12,7 +12,7 @@ from kernel_device import INTERPRET, device_or_skip
 
 DEV = device_or_skip()
 
-from aner.kernels.adamw import CHUNK, adamw_  # noqa: E402
+from aner.kernels.adamw import CHUNK, adamw_, squares  # noqa: E402
 
 HYPER = dict(lr=3e-3, beta1=0.9, beta2=0.999, eps=1e-8)
 # sizes: under one block, odd, a chunk and one more, several chunks with a tail; on the GPU a
@@ -117,3 +117,23 @@ def test_casts_are_the_updated_parameters_cast(dtype):
     whole = [torch.zeros_like(four[0], dtype=dtype) for four in kept]
     adamw_(*(list(x) for x in zip(*kept)), torch.tensor(4.0, device=DEV), casts=whole, weight_decay=0.1, **HYPER)
     assert all(torch.equal(c.cpu(), four[0].cpu().to(dtype)) for c, four in zip(whole, kept))
+
+
+def test_squares_is_the_float64_sum_of_squares():
+    """The clipping norm's pass: over tensors of many sizes, a transposed view (read as it lies), a
+    slice with gaps (copied first) and an empty tensor, the float64 sum of every square, to float64
+    rounding; the same bits on a second call; and not finite when one element is not."""
+    g = torch.Generator(device="cpu").manual_seed(3)
+    tensors = [(torch.randn(n, generator=g) * 10 ** torch.randn(n, generator=g)).to(DEV) for n in SIZES]
+    tensors += [torch.randn(37, 129, generator=g).to(DEV).t(), torch.randn(40, 64, generator=g).to(DEV)[:, ::3],
+                torch.empty(0, device=DEV)]
+    assert not tensors[-3].is_contiguous() and not tensors[-2].is_contiguous()
+    expected = sum(float(t.double().pow(2).sum()) for t in tensors)
+    got = squares(tensors)
+    assert got.dtype == torch.float64 and got.device.type == torch.device(DEV).type
+    assert float(got) == pytest.approx(expected, rel=1e-12)
+    assert torch.equal(got, squares(tensors))
+    for bad in (float("inf"), float("nan")):
+        spoiled = [t.clone() for t in tensors[:3]]
+        spoiled[2][1234] = bad
+        assert not torch.isfinite(squares(spoiled))

@@ -69,24 +69,31 @@ def step_count(t: int, device) -> torch.Tensor:
 
 
 @torch.no_grad()
+def sum_of_squares(grads: dict) -> torch.Tensor:
+    """The sum of the squares of every gradient element, in float64, as a 0-dim tensor on their
+    device: on CUDA one pass of our kernel (`kernels.adamw.squares`), on the CPU each tensor's
+    float64 norm squared and summed in name order. The same gradients give the same bits."""
+    gs = [grads[n] for n in sorted(grads)]
+    if gs and gs[0].is_cuda:
+        from ..kernels.adamw import squares
+        return squares(gs)
+    return torch.stack(torch._foreach_norm(gs, 2, dtype=torch.float64)).pow(2).sum()
+
+
+@torch.no_grad()
 def clip_divisor(grads: dict, clip_norm: float) -> torch.Tensor | None:
     """What the gradients are divided by so their global L2 norm is at most clip_norm: (norm +
     1e-6) / clip_norm where the norm exceeds clip_norm, else exactly 1, as a 0-dim FP32 tensor
-    made on their device (no wait for the host); None when clip_norm is 0 (no clipping). Each
-    tensor's norm is taken in float64 and the squares are summed in float64 in name order.
-    AdamW divides each gradient as it reads it (`AdamW.update`), so clipping makes no pass of its
-    own over the gradients."""
+    made on their device (no wait for the host); None when clip_norm is 0 (no clipping). The norm
+    is the square root of `sum_of_squares`. AdamW divides each gradient as it reads it
+    (`AdamW.update`), so clipping makes no pass of its own over the gradients."""
     if clip_norm <= 0:
         return None
-    names = sorted(grads)
-    norms = torch._foreach_norm([grads[n] for n in names], 2, dtype=torch.float64)
-    norm = torch.stack(norms).pow(2).sum().sqrt()
+    norm = sum_of_squares(grads).sqrt()
     return torch.where(norm > clip_norm, (norm + 1e-6) / clip_norm, 1.0).float()
 
 
 def all_finite(grads: dict) -> bool:
-    """One multi-tensor reduction and a single host synchronisation for the whole gradient set:
-    a tensor's float64 L2 norm is finite exactly when all its elements are (FP32 squares cannot
-    overflow float64)."""
-    norms = torch._foreach_norm([g for _, g in sorted(grads.items())], 2, dtype=torch.float64)
-    return bool(torch.isfinite(torch.stack(norms)).all())
+    """One pass and a single host synchronisation for the whole gradient set: the float64 sum of
+    squares is finite exactly when every element is (FP32 squares cannot overflow float64)."""
+    return bool(torch.isfinite(sum_of_squares(grads)))
