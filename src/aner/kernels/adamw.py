@@ -182,7 +182,7 @@ def _dense(shape: tuple, stride: tuple) -> bool:
 
 @functools.lru_cache(maxsize=8)
 def _squares_plan(layout: tuple, device, chunk: int):
-    """(table on `device`, chunk map, chunks, aligned, index of the lowest tensor) for FP32 tensors
+    """(table on `device`, chunk map, aligned, index of the lowest tensor) for FP32 tensors
     at these (address, numel) pairs: each row the tensor's offset from the lowest address, its
     numel and its first chunk. A pure function of its arguments, so kept across updates."""
     low = min(range(len(layout)), key=lambda i: layout[i][0])
@@ -194,7 +194,7 @@ def _squares_plan(layout: tuple, device, chunk: int):
     if device.type == "cuda":     # from pinned memory: the host does not wait for the queued work
         table = table.pin_memory().to(device, non_blocking=True)
     aligned = layout[low][0] % 16 == 0 and all(x % 4 == 0 for r in rows for x in r[:2])
-    return table, _chunk_rows(tuple(n for _, n in layout), device, chunk), first, aligned, low
+    return table, _chunk_rows(tuple(n for _, n in layout), device, chunk), aligned, low
 
 
 def squares(tensors: list, chunk: int = 8192, warps: int = 8) -> torch.Tensor:
@@ -207,8 +207,8 @@ def squares(tensors: list, chunk: int = 8192, warps: int = 8) -> torch.Tensor:
     tensors = [t if _dense(t.shape, t.stride()) else t.contiguous() for t in tensors if t.numel()]
     if not tensors:
         return torch.zeros((), dtype=torch.float64, device=device)
-    table, chunks, count, aligned, low = _squares_plan(tuple((t.data_ptr(), t.numel()) for t in tensors),
+    table, chunks, aligned, low = _squares_plan(tuple((t.data_ptr(), t.numel()) for t in tensors),
                                                        device, chunk)
-    sums = torch.empty(count, dtype=torch.float64, device=device)
-    _squares_kernel[(count,)](tensors[low], table, chunks, sums, ALIGNED=aligned, CHUNK=chunk, num_warps=warps)
+    sums = torch.empty(chunks.numel(), dtype=torch.float64, device=device)
+    _squares_kernel[(chunks.numel(),)](tensors[low], table, chunks, sums, ALIGNED=aligned, CHUNK=chunk, num_warps=warps)
     return sums.sum()

@@ -271,9 +271,9 @@ class _AdaptedProjections(torch.autograd.Function):
     each GEMM; with x in another dtype or another kind of base, du @ A is added last), so no pass
     adds them. A weight is kept for backward when the base says so (`keeps_operand`: a cast, as
     autograd would keep it; a decode under nf4_kernel="decoded_kept"), else made again there (a
-    decode: one decoded matrix exists at a time). Any other base runs on a detached x, its autograd graph recorded when x needs a
-    gradient, and its input gradient is added to the chain's; the graph's root keeps no data (a
-    projection's backward reads its inputs only).
+    decode: one decoded matrix exists at a time). Any other base runs on a detached x, its
+    autograd graph recorded when x needs a gradient, and its input gradient is added to the
+    chain's; the graph's root keeps no data (a projection's backward reads its inputs only).
 
     The A_i are stacked: one project reads x once for all of them, one reduce over the tokens
     makes all their gradients from one read of x, and one expand makes the stacked du @ A."""
