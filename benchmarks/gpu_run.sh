@@ -14,6 +14,7 @@
 #   norms       benchmarks/norm_kernels.py (RMSNorm backward, sum_splits) -> <date>-h200-norm-kernels.json
 #   attention   benchmarks/attention.py (fused causal attention against PyTorch's) -> <date>-h200-attention.json
 #   cudnn       benchmarks/attention_cudnn.py (cuDNN's deterministic attention against ours) -> <date>-h200-attention-cudnn.json
+#   joint       benchmarks/joint_gemms.py (a group's projections as one GEMM against one a weight) -> <date>-h200-joint-gemms.json
 #   throughput  benchmarks/throughput.py (ours against the peer)     -> <date>-h200.json
 #               (COMBOS="model:method ... [--rounds R]" narrows it; R rounds alternate the two sides)
 #   ab          ours only, an earlier tree against this one, alternated ROUNDS times (default 2), one
@@ -55,6 +56,7 @@ for stage in "$@"; do
     attention) python3 benchmarks/attention.py "$OUT/$day-h200-attention.json" 2>&1 | tee "$OUT/attention.log" ;;
     cudnn) PYTHONPATH=$PYTHONPATH:$PWD/benchmarks python3 benchmarks/attention_cudnn.py "$OUT/$day-h200-attention-cudnn.json" 2>&1 \
              | tee "$OUT/attention-cudnn.log" ;;
+    joint) python3 benchmarks/joint_gemms.py "$OUT/$day-h200-joint-gemms.json" 2>&1 | tee "$OUT/joint-gemms.log" ;;
     lora) python3 benchmarks/lora_kernels.py "$OUT/$day-h200-lora-kernels.json" ${LORA:-} 2>&1 | tee "$OUT/lora-kernels.log" | tail -n 60 ;;
     throughput) python3 benchmarks/throughput.py "$OUT/$day-h200.json" ${COMBOS:-} 2>&1 | tee "$OUT/throughput.log" ;;
     ab) for round in $(seq "${ROUNDS:-2}"); do for tree in "$OLD" "$PWD"; do

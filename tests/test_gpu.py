@@ -450,25 +450,39 @@ def test_trained_projection_keeps_its_weight_gradient_in_fp32(dtype):
     assert err <= 1e-6 and err_rounded >= 30 * err, (err, err_rounded)
 
 
+@pytest.mark.parametrize("laid", ["apart", "side_by_side"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
-def test_trained_projections_of_one_input_chain_their_input_gradient(dtype):
-    """Trained weights that read one x (q, k, v): each output and weight gradient are those of the
-    weight on its own, bit for bit; the input gradient is one chain of products (one rounding of
-    the running sum per weight), where autograd rounds each product and then each sum."""
+def test_trained_projections_of_one_input_are_one_product(dtype, laid):
+    """Trained weights that read one x (q, k, v) are one product of their casts laid one under
+    another: each output within one rounding of the float64 product. Their gradients handed back
+    apart: each weight's gradient is that of the weight on its own, bit for bit, and the input's
+    one chain of products (one rounding of the running sum per weight). Handed back side by side
+    (as the fused RoPE lays them out): one product each, the input gradient within one rounding of
+    its float64 sum, the weights' within FP32 accuracy."""
     from aner.model.llama import Dense
     g = torch.Generator(device=DEV).manual_seed(0)
     ws = [(torch.randn(n, 64, device=DEV, generator=g) * 0.05).requires_grad_(True) for n in (96, 32, 32)]
     x = torch.randn(3, 50, 64, device=DEV, generator=g).requires_grad_(True)
-    dys = [torch.randn(3, 50, w.shape[0], device=DEV, generator=g).to(dtype) for w in ws]
+    dy = torch.randn(3, 50, 160, device=DEV, generator=g).to(dtype)
+    dys = list(dy.split([96, 32, 32], dim=-1)) if laid == "side_by_side" else \
+        [t.contiguous() for t in dy.split([96, 32, 32], dim=-1)]
     with torch.autocast("cuda", dtype=dtype):
         ys = Dense.joint(x, [Dense(w) for w in ws])
         alone = [Dense(w)(x) for w in ws]
     grads = torch.autograd.grad(ys, [x, *ws], dys)
-    for y, y1, w, dw, dy in zip(ys, alone, ws, grads[1:], dys):
-        assert torch.equal(y, y1) and torch.equal(dw, torch.autograd.grad(y1, w, dy, retain_graph=True)[0])
-    w_op = [w.detach().to(dtype).double() for w in ws]
-    want = sum(dy.double() @ w for dy, w in zip(dys, w_op))
-    chain = sum(dy.double().abs() @ w.abs() for dy, w in zip(dys, w_op))
     eps = 2.0 ** (-10 if dtype == torch.float16 else -7)
+    x_op, w_op = x.detach().to(dtype).double(), [w.detach().to(dtype).double() for w in ws]
+    for y, w in zip(ys, w_op):
+        want = x_op @ w.T
+        assert y.dtype == dtype and ((y.double() - want).abs() <= eps * (x_op.abs() @ w.abs().T) + 1e-30).all()
+    want = sum(d.double() @ w for d, w in zip(dys, w_op))
+    terms = sum(d.double().abs() @ w.abs() for d, w in zip(dys, w_op))
     assert grads[0].dtype == torch.float32
-    assert ((grads[0].double() - want).abs() <= len(ws) * eps * chain + 1e-30).all()
+    assert ((grads[0].double() - want).abs() <= (len(ws) if laid == "apart" else 1) * eps * terms + 1e-30).all()
+    for y1, w, dw, d in zip(alone, ws, grads[1:], dys):
+        assert dw.dtype == torch.float32 and dw.shape == w.shape
+        if laid == "apart":
+            assert torch.equal(dw, torch.autograd.grad(y1, w, d, retain_graph=True)[0])
+        want = d.flatten(0, 1).double().T @ x_op.flatten(0, 1)
+        scale = d.flatten(0, 1).double().abs().T @ x_op.flatten(0, 1).abs()
+        assert ((dw.double() - want).abs() <= 1e-5 * scale + 1e-30).all()

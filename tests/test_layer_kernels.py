@@ -2,7 +2,8 @@
 
 Runs on a CUDA device, or on the CPU under Triton's interpreter (TRITON_INTERPRET=1) with small
 shapes; skips otherwise (CI has neither a GPU nor Triton).
-rope: forward and gradient bit-exact vs torch autograd through `apply_rope(x, cos, sin).to(dtype)`.
+rope: forward and gradient bit-exact vs torch autograd through `apply_rope(x, cos, sin).to(dtype)`;
+gradients of q, k and v from one product laid side by side as the product's output.
 rms_norm: vs float64 autograd of RMSNorm's expression. y within 1e-6 (FP32), 1e-3 (FP16), 8e-3
 (BF16) of |y| (FP16 also half its smallest subnormal step); dx and dweight within 1e-5 of the
 sum of absolute terms, for every dy dtype (dy is the same values for the kernel and the oracle,
@@ -53,26 +54,60 @@ if not INTERPRET:
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", ROPE_SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_rope_bit_exact(shape, dtype, same_out, layout):
+    """q and k from projections of their own, v of the output dtype (passed on as it is)."""
     B, n, T, E = shape
     out_dtype = dtype if same_out else torch.float32
     cos, sin = tables(n, T, E)
-    proj = torch.randn(B, T, n * E, device=DEV).to(dtype)     # the model's q/k projection output
-    g = grad_like(shape, layout, out_dtype)
+    projs = [torch.randn(B, T, n * E, device=DEV).to(dtype) for _ in range(2)]   # the model's q/k projection outputs
+    v = torch.randn(B, n, T, E, device=DEV).to(out_dtype)
+    gs = [grad_like(shape, layout, out_dtype) for _ in range(2)]
+
+    leaves = [p.clone().requires_grad_(True) for p in projs]
+    want = [apply_rope(p.view(B, T, n, E).transpose(1, 2), cos, sin).to(out_dtype) for p in leaves]
+    torch.autograd.backward(want, gs)
+    ps = [p.clone().requires_grad_(True) for p in projs]
+    got_q, got_k, got_v = rope(*(p.view(B, T, n, E).transpose(1, 2) for p in ps), v, cos, sin)   # not contiguous
+    torch.autograd.backward([got_q, got_k], gs)
+
+    assert torch.equal(got_v, v) and got_v.data_ptr() == v.data_ptr()
+    for got, w, p, leaf in zip((got_q, got_k), want, ps, leaves):
+        assert got.dtype == out_dtype and got.shape == (B, n, T, E)
+        assert [s for s, k in zip(got.stride(), got.shape) if k > 1] == [s for s, k in zip(w.stride(), w.shape) if k > 1]
+        assert torch.equal(got, w), f"{(got != w).sum().item()} of {got.numel()} outputs differ"
+        assert p.grad.dtype == dtype
+        assert torch.equal(p.grad, leaf.grad), f"{(p.grad != leaf.grad).sum().item()} gradients differ"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("heads", [(4, 2), (3, 3), (2, 1)], ids=lambda h: f"H{h[0]}K{h[1]}")
+def test_rope_of_one_projection_lays_its_gradients_side_by_side(heads, dtype):
+    """q, k and v as the heads of one product's output: the same bits as torch, v handed on as a
+    copy (attention keeps it, not the whole output), and the three gradients one buffer in the
+    output's layout, as `Dense`'s joint products want them."""
+    from aner.model.llama import side_by_side
+    H, K = heads
+    B, T, E = 2, 9, 64
+    cos, sin = tables(H, T, E)
+    proj = torch.randn(B, T, (H + 2 * K) * E, device=DEV).to(dtype)
+    gs = [torch.randn(B, n, T, E, device=DEV).to(dtype) for n in (H, K, K)]
+
+    def heads_of(p):
+        return [x.transpose(1, 2) for x in p.view(B, T, H + 2 * K, E).split([H, K, K], dim=2)]
 
     leaf = proj.clone().requires_grad_(True)
-    want = apply_rope(leaf.view(B, T, n, E).transpose(1, 2), cos, sin).to(out_dtype)
-    want.backward(g)
+    q, k, v = heads_of(leaf)
+    want = [apply_rope(q, cos, sin).to(dtype), apply_rope(k, cos, sin).to(dtype), v]
+    want_grads = torch.autograd.grad(want, [q, k, v], gs)
     p = proj.clone().requires_grad_(True)
-    x = p.view(B, T, n, E).transpose(1, 2)                  # (B, n, T, E), not contiguous
-    got = rope(x, cos, sin, out_dtype)
-    got.backward(g)
+    views = heads_of(p)
+    got = rope(*views, cos, sin)
+    grads = torch.autograd.grad(got, views, gs)
 
-    assert got.dtype == out_dtype and got.shape == (B, n, T, E)
-    assert [s for s, k in zip(got.stride(), got.shape) if k > 1] == \
-           [s for s, k in zip(want.stride(), want.shape) if k > 1]
-    assert torch.equal(got, want), f"{(got != want).sum().item()} of {got.numel()} outputs differ"
-    assert p.grad.dtype == dtype
-    assert torch.equal(p.grad, leaf.grad), f"{(p.grad != leaf.grad).sum().item()} gradients differ"
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+    assert got[2].untyped_storage().data_ptr() != p.untyped_storage().data_ptr()
+    assert got[2].transpose(1, 2).is_contiguous() and got[0].transpose(1, 2).is_contiguous()
+    assert all(torch.equal(g, w) for g, w in zip(grads, want_grads))
+    assert side_by_side([g.transpose(1, 2) for g in grads], 2) is not None
 
 
 RMS_D = [576, 2048, 781] + ([] if INTERPRET else [8192])
@@ -202,25 +237,45 @@ def test_swiglu(shape, dtypes):
     within(up.grad, b.grad, (g * a * s).abs().detach())
 
 
+@pytest.mark.parametrize("F", [96, 1000, 1536] + ([] if INTERPRET else [8192]))
+def test_swiglu_of_one_product_lays_its_gradients_side_by_side(F):
+    """gate and up as the two halves of one product's rows: the same bits as from copies of their
+    own, and the two gradients one buffer of the product's layout."""
+    from aner.model.llama import side_by_side
+    proj = (2 * torch.randn(3, 7, 2 * F, device=DEV)).to(torch.float16)
+    dy = torch.randn(3, 7, F, device=DEV).to(torch.float16)
+    gate, up = (t.contiguous().requires_grad_(True) for t in proj.split(F, dim=-1))
+    want = swiglu(gate, up)
+    want_grads = torch.autograd.grad(want, [gate, up], dy)
+    p = proj.clone().requires_grad_(True)
+    halves = p.split(F, dim=-1)
+    got = swiglu(*halves)
+    grads = torch.autograd.grad(got, halves, dy)
+    assert torch.equal(got, want) and all(torch.equal(g, w) for g, w in zip(grads, want_grads))
+    assert side_by_side(grads, 2) is not None
+
+
 def test_errors():
     cos, sin = tables(2, 5, 64)
     x = torch.randn(1, 2, 5, 64, device=DEV)
-    with pytest.raises(ConfigError, match="float32, float16 or bfloat16"):
-        rope(x.double(), cos, sin, torch.float32)
-    with pytest.raises(ConfigError, match="float32, float16 or bfloat16"):
-        rope(x, cos, sin, torch.float64)
+    with pytest.raises(ConfigError, match="rope q dtype torch.float64; accepted: float32, float16 or bfloat16"):
+        rope(x.double(), x, x, cos, sin)
+    with pytest.raises(ConfigError, match="rope v dtype torch.float64; accepted: float32, float16 or bfloat16"):
+        rope(x, x, x.double(), cos, sin)
     with pytest.raises(ConfigError, match=r"\(B, n, T, E\)"):
-        rope(x[0], cos, sin, torch.float32)
+        rope(x[0], x, x, cos, sin)
     with pytest.raises(ConfigError, match="E=63 is odd"):
-        rope(x[..., :63], cos[:, :63].contiguous(), sin[:, :63].contiguous(), torch.float32)
+        rope(*[x[..., :63]] * 3, cos[:, :63].contiguous(), sin[:, :63].contiguous())
     with pytest.raises(ConfigError, match="stride 1"):
-        rope(x.transpose(2, 3).contiguous().transpose(2, 3), cos, sin, torch.float32)
+        rope(x, x.transpose(2, 3).contiguous().transpose(2, 3), x, cos, sin)
     with pytest.raises(ConfigError, match=r"float32 \(5, 64\) contiguous"):
-        rope(x, cos[:4], sin, torch.float32)
+        rope(x, x, x, cos[:4], sin)
     with pytest.raises(ConfigError, match=r"float32 \(5, 64\) contiguous"):
-        rope(x, cos, sin.half(), torch.float32)
+        rope(x, x, x, cos, sin.half())
     with pytest.raises(ConfigError, match="same device"):
-        rope(x, cos, sin.to("meta"), torch.float32)
+        rope(x, x, x, cos, sin.to("meta"))
+    with pytest.raises(ConfigError, match=r"accepted: \(B, H, T, E\), \(B, K, T, E\) twice"):
+        rope(x, x, x[:, :1], cos, sin)
 
     x, w = torch.randn(3, 100, device=DEV), torch.randn(100, device=DEV)
     with pytest.raises(ConfigError, match="float32 both"):

@@ -1,7 +1,7 @@
 """Fused RoPE, RMSNorm and SwiGLU kernels (Triton) for training: each reads its input once and
 writes its output once, in the dtype the next matmul wants, forward and backward.
 
-    rope      (B, n, T, E) -> (B, n, T, E)   out = x * cos + swap_pairs(x) * sin
+    rope      q, k, v -> (q', k', v)         x' = x * cos + swap_pairs(x) * sin, (B, n, T, E) each
     rms_norm  (..., D) -> (..., D)           y = (x * rsqrt(mean(x^2) + eps)) * weight
     add_rms_norm  x, y -> (rms_norm(x + y), x + y)   the residual add in the norm's own pass
     swiglu    (..., F), (..., F) -> (..., F)  y = silu(gate) * up
@@ -38,6 +38,7 @@ import triton.language as tl
 from torch import nn
 
 from ..errors import ConfigError
+from ..model.llama import side_by_side
 from . import FLOATS, TARGET_PROGRAMS
 from .splits import sum_splits
 
@@ -79,46 +80,81 @@ def _rope_launch(x, cos, sin, out, backward: bool) -> torch.Tensor:
     return out
 
 
+def _positions_first(x: torch.Tensor, dtype) -> torch.Tensor:
+    """An empty (B, n, T, E) tensor over (B, T, n, E) memory: the layout of a projection's heads."""
+    B, n, T, E = x.shape
+    return torch.empty(B, T, n, E, device=x.device, dtype=dtype).transpose(1, 2)
+
+
+def _heads_side_by_side(*xs) -> bool:
+    """Whether (B, n_i, T, E) tensors are the heads of one (B, T, sum n_i, E) tensor, in order."""
+    return side_by_side([x.transpose(1, 2) for x in xs], 2) is not None
+
+
 class _Rope(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, cos, sin, out_dtype):
+    def forward(ctx, q, k, v, cos, sin):
         ctx.save_for_backward(cos, sin)
-        ctx.x_dtype = x.dtype
-        # empty_like keeps x's strides: the layout torch's elementwise result would have.
-        return _rope_launch(x, cos, sin, torch.empty_like(x, dtype=out_dtype), backward=False)
+        ctx.dtypes = q.dtype, k.dtype
+        ctx.joint = _heads_side_by_side(q, k, v)
+        # empty_like keeps a dense input's strides: the layout torch's elementwise result would have.
+        qr, kr = ((_positions_first(x, v.dtype) if ctx.joint else torch.empty_like(x, dtype=v.dtype)) for x in (q, k))
+        if ctx.joint:     # v copied: attention keeps it, not the projections' whole output
+            v = _positions_first(v, v.dtype).copy_(v)
+        return _rope_launch(q, cos, sin, qr, backward=False), _rope_launch(k, cos, sin, kr, backward=False), v
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, g):
+    def backward(ctx, gq, gk, gv):
         cos, sin = ctx.saved_tensors
-        if g.stride(-1) != 1:                       # e.g. an expanded gradient (stride 0)
-            g = g.contiguous()
-        dx = _rope_launch(g, cos, sin, torch.empty_like(g, dtype=ctx.x_dtype), backward=True)
-        return dx, None, None, None
+        gq, gk = (g if g.stride(-1) == 1 else g.contiguous() for g in (gq, gk))   # e.g. expanded (stride 0)
+        if ctx.joint:     # laid out as the projections' outputs were: one product makes their input's
+            B, H, T, E = gq.shape
+            K = gk.shape[1]
+            joint = torch.empty(B, T, H + 2 * K, E, device=gq.device, dtype=ctx.dtypes[0])
+            dq, dk, dv = (part.transpose(1, 2) for part in joint.split([H, K, K], dim=2))
+            dv.copy_(gv)
+        else:
+            dq, dk, dv = torch.empty_like(gq, dtype=ctx.dtypes[0]), torch.empty_like(gk, dtype=ctx.dtypes[1]), gv
+        return _rope_launch(gq, cos, sin, dq, backward=True), _rope_launch(gk, cos, sin, dk, backward=True), dv, None, None
 
 
-def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    """`apply_rope(x, cos, sin).to(out_dtype)`, bit for bit, with its gradient for x.
-
-    x (B, n, T, E) FP32/FP16/BF16 with any strides whose last is 1 (the model's transposed view of
-    a projection); cos and sin (T, E) FP32 contiguous, as `rope_tables` makes them. The output has
-    x's layout."""
-    if x.dtype not in FLOATS or out_dtype not in FLOATS:
-        raise ConfigError(f"rope x dtype {x.dtype} -> out_dtype {out_dtype}; accepted: float32, float16 or bfloat16")
+def _check_rope(name, x, cos, sin):
+    if x.dtype not in FLOATS:
+        raise ConfigError(f"rope {name} dtype {x.dtype}; accepted: float32, float16 or bfloat16")
     if x.dim() != 4:
-        raise ConfigError(f"rope x has shape {tuple(x.shape)}; accepted: (B, n, T, E)")
+        raise ConfigError(f"rope {name} has shape {tuple(x.shape)}; accepted: (B, n, T, E)")
     T, E = x.shape[2:]
     if E % 2:
         raise ConfigError(f"rope head width E={E} is odd; accepted: an even E (pairs are rotated)")
     if x.stride(-1) != 1:
-        raise ConfigError(f"rope x has strides {x.stride()}; accepted: any with the last dimension's stride 1")
-    for name, t in (("cos", cos), ("sin", sin)):
+        raise ConfigError(f"rope {name} has strides {x.stride()}; accepted: any with the last dimension's stride 1")
+    for table, t in (("cos", cos), ("sin", sin)):
         if t.shape != (T, E) or t.dtype != torch.float32 or not t.is_contiguous():
-            raise ConfigError(f"rope {name} is {t.dtype} {tuple(t.shape)} with strides {t.stride()}; "
+            raise ConfigError(f"rope {table} is {t.dtype} {tuple(t.shape)} with strides {t.stride()}; "
                               f"accepted: float32 ({T}, {E}) contiguous, from rope_tables")
         if t.device != x.device:
-            raise ConfigError(f"rope {name} is on {t.device}, x on {x.device}; accepted: the same device")
-    return _Rope.apply(x, cos, sin, out_dtype)
+            raise ConfigError(f"rope {table} is on {t.device}, {name} on {x.device}; accepted: the same device")
+
+
+def rope(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+         sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The model's `rope` (q and k by `apply_rope` rounded to v's dtype, v as it is), bit for bit,
+    with gradients for q, k and v.
+
+    q (B, H, T, E), k and v (B, K, T, E) FP32/FP16/BF16 with any strides whose last is 1 (the
+    model's transposed views of its projections); cos and sin (T, E) FP32 contiguous, as
+    `rope_tables` makes them. The outputs have q's and k's layout. When q, k and v are the heads of
+    one tensor (one GEMM's output: `llama.Dense`'s products of a group), v is copied, so that the
+    projections' output is not kept for attention's backward, and the three gradients are that
+    tensor's layout again, one buffer."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        _check_rope(name, x, cos, sin)
+    B, _, T, E = q.shape
+    if k.shape != v.shape or (k.shape[0], *k.shape[2:]) != (B, T, E) or not q.device == k.device == v.device:
+        raise ConfigError(f"rope q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} on {q.device}, {k.device}, "
+                          f"{v.device}; accepted: (B, H, T, E), (B, K, T, E) twice, on one device")
+    return _Rope.apply(q, k, v, cos, sin)
 
 
 @triton.jit
@@ -266,58 +302,73 @@ def add_rms_norm(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, eps: fl
 
 
 @triton.jit
-def _swiglu_kernel(gate, up, g, out, dup, numel, BACKWARD: tl.constexpr, BLOCK: tl.constexpr):
-    """Forward: out = silu(gate) * up. BACKWARD: out = d gate, dup = d up, from g = d out. FP32,
-    one rounding per output; the sigmoid is 1 / (1 + exp(-gate)) with an IEEE division."""
-    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = i < numel
-    a = tl.load(gate + i, mask=mask, other=0.0).to(tl.float32)
-    b = tl.load(up + i, mask=mask, other=0.0).to(tl.float32)
+def _swiglu_kernel(gate, up, g, out, dup, F, s_gate, s_up, s_g, s_out, s_dup,
+                   BACKWARD: tl.constexpr, BLOCK: tl.constexpr):
+    """BLOCK columns of one row (each tensor's rows s_* apart). Forward: out = silu(gate) * up.
+    BACKWARD: out = d gate, dup = d up, from g = d out. FP32, one rounding per output; the sigmoid
+    is 1 / (1 + exp(-gate)) with an IEEE division."""
+    row = tl.program_id(0).to(tl.int64)
+    col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = col < F
+    a = tl.load(gate + row * s_gate + col, mask=mask, other=0.0).to(tl.float32)
+    b = tl.load(up + row * s_up + col, mask=mask, other=0.0).to(tl.float32)
     s = tl.math.div_rn(1.0, 1.0 + tl.exp(-a))
     if BACKWARD:
-        dy = tl.load(g + i, mask=mask, other=0.0).to(tl.float32)
-        tl.store(out + i, (dy * b * s * (1.0 + a * (1.0 - s))).to(out.dtype.element_ty), mask=mask)
-        tl.store(dup + i, (dy * a * s).to(dup.dtype.element_ty), mask=mask)
+        dy = tl.load(g + row * s_g + col, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out + row * s_out + col, (dy * b * s * (1.0 + a * (1.0 - s))).to(out.dtype.element_ty), mask=mask)
+        tl.store(dup + row * s_dup + col, (dy * a * s).to(dup.dtype.element_ty), mask=mask)
     else:
-        tl.store(out + i, (a * s * b).to(out.dtype.element_ty), mask=mask)
+        tl.store(out + row * s_out + col, (a * s * b).to(out.dtype.element_ty), mask=mask)
 
 
-_SWIGLU_BLOCK = 4096
+def _swiglu_launch(gate, up, g, out, dup, backward: bool):
+    """Rows (M, F) of each operand, any row stride."""
+    M, F = gate.shape
+    block = min(4096, triton.next_power_of_2(F))
+    while block > 512 and F % block:     # a row in whole blocks where it can be
+        block //= 2
+    if gate.numel():
+        _swiglu_kernel[(M, triton.cdiv(F, block))](
+            gate, up, g, out, dup, F, gate.stride(0), up.stride(0), g.stride(0), out.stride(0), dup.stride(0),
+            BACKWARD=backward, BLOCK=block, num_warps=8 if block >= 2048 else 4)
 
 
 class _SwiGLU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gate, up):
-        out = torch.empty(gate.shape, device=gate.device, dtype=torch.promote_types(gate.dtype, up.dtype))
-        grid = (triton.cdiv(gate.numel(), _SWIGLU_BLOCK),)
-        if gate.numel():
-            _swiglu_kernel[grid](gate, up, gate, out, out, gate.numel(), BACKWARD=False, BLOCK=_SWIGLU_BLOCK,
-                                 num_warps=8)
-        ctx.save_for_backward(gate, up)
-        return out
+        rows = gate.reshape(-1, gate.shape[-1]), up.reshape(-1, up.shape[-1])
+        out = torch.empty(rows[0].shape, device=gate.device, dtype=torch.promote_types(gate.dtype, up.dtype))
+        _swiglu_launch(*rows, out, out, out, backward=False)
+        ctx.save_for_backward(*rows)
+        ctx.shape = gate.shape
+        return out.view(gate.shape)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, g):
         gate, up = ctx.saved_tensors
-        dgate, dup = torch.empty_like(gate), torch.empty_like(up)
-        grid = (triton.cdiv(gate.numel(), _SWIGLU_BLOCK),)
-        if gate.numel():
-            _swiglu_kernel[grid](gate, up, g.contiguous(), dgate, dup, gate.numel(), BACKWARD=True,
-                                 BLOCK=_SWIGLU_BLOCK, num_warps=8)
-        return dgate, dup
+        joint = side_by_side((gate, up), 1)
+        if joint is not None:     # laid out as the projections' outputs were: one product makes their input's
+            dgate, dup = torch.empty(joint.shape, device=gate.device, dtype=gate.dtype).split(gate.shape[1], dim=1)
+        else:
+            dgate, dup = torch.empty_like(gate), torch.empty_like(up)
+        _swiglu_launch(gate, up, g.reshape(gate.shape).contiguous(), dgate, dup, backward=True)
+        return dgate.view(ctx.shape), dup.view(ctx.shape)
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up computed in FP32 and rounded once to their promoted dtype (the torch
-    expression rounds silu(gate) first), with gradients for both; same-shaped contiguous tensors."""
+    expression rounds silu(gate) first), with gradients for both; same-shaped tensors whose rows
+    are contiguous (any row stride: e.g. columns of one product's output). When gate and up are
+    side by side in one tensor, their gradients are too, one buffer."""
     if gate.dtype not in FLOATS or up.dtype not in FLOATS:
         raise ConfigError(f"swiglu gate {gate.dtype}, up {up.dtype}; accepted: float32, float16 or bfloat16")
     if gate.shape != up.shape or gate.device != up.device:
         raise ConfigError(f"swiglu gate {tuple(gate.shape)} on {gate.device}, up {tuple(up.shape)} on "
                           f"{up.device}; accepted: the same shape on the same device")
-    if not gate.is_contiguous() or not up.is_contiguous():
-        raise ConfigError(f"swiglu gate strides {gate.stride()}, up {up.stride()}; accepted: contiguous")
+    if gate.stride(-1) != 1 or up.stride(-1) != 1:
+        raise ConfigError(f"swiglu gate strides {gate.stride()}, up {up.stride()}; accepted: rows of contiguous "
+                          f"elements (the last stride 1)")
     return _SwiGLU.apply(gate, up)
 
 

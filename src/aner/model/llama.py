@@ -44,12 +44,14 @@ class Dense(nn.Module):
     @staticmethod
     def joint(x, modules):
         """The outputs of `modules` for one input x: trained weights under a low-precision policy
-        together (one chain of products makes the input gradient), otherwise each on its own."""
+        together (one product of their casts laid one under another), otherwise each on its own."""
         dev = x.device.type
         if torch.is_autocast_enabled(dev) and all(m.weight.requires_grad for m in modules):
             dtype = torch.get_autocast_dtype(dev)
-            return _TrainedProjections.apply(x, dtype, tuple(m.cast_to(dtype) for m in modules),
-                                             *(m.weight for m in modules))
+            casts = [m.cast_to(dtype) for m in modules]
+            stacked = side_by_side(casts, 0)    # the kept casts of a group are (`train.loop.kept_casts`)
+            return _TrainedProjections.apply(x, dtype, torch.cat(casts) if stacked is None else stacked,
+                                             [c.shape[0] for c in casts], *(m.weight for m in modules))
         return tuple(m(x) for m in modules)
 
     def cast_to(self, dtype):
@@ -68,33 +70,57 @@ class Dense(nn.Module):
 
 
 class _TrainedProjections(torch.autograd.Function):
-    """x @ W_i^T for trained FP32 weights that read one x, under a low-precision policy: each
-    product of x in `dtype` and the weight's cast to it (`casts`, from `Dense.cast_to`) with FP32
-    accumulation, as autocast makes it; each weight's gradient g_i^T x accumulated in FP32 and
-    written in FP32 by its GEMM (CUDA); the input gradient one chain of products into one buffer
-    (dx = g_0 @ W_0, then dx += g_i @ W_i inside each next GEMM), so no pass adds them. Through
-    autocast the weight gradient came out of the GEMM rounded to `dtype`, transposed, and was then
-    converted and made contiguous: two more passes over every weight an update, and a rounding."""
+    """x @ W_i^T for trained FP32 weights that read one x, under a low-precision policy, as one
+    product: x in `dtype` times their casts to it laid one under another (`stacked`, `rows` each)
+    with FP32 accumulation, as autocast makes a product; the outputs are its columns, side by side.
+    Each weight's gradient g_i^T x is accumulated in FP32 and written in FP32 by its GEMM (CUDA).
+    Through autocast it came out of the GEMM rounded to `dtype`, transposed, and was then converted
+    and made contiguous: two more passes over every weight an update, and a rounding.
+
+    The input gradient: when the outputs' gradients come back side by side as the outputs were
+    (the fused RoPE and SwiGLU lay them out so), one GEMM over all the rows, and the weights'
+    gradients one GEMM, each weight's its rows; otherwise one chain of products into one buffer
+    (dx = g_0 @ W_0, then dx += g_i @ W_i inside each next GEMM, rounding dx to `dtype` each time),
+    so no pass adds them."""
 
     @staticmethod
-    def forward(ctx, x, dtype, casts, *weights):
+    def forward(ctx, x, dtype, stacked, rows, *weights):
         x = x.to(dtype)
-        ctx.save_for_backward(x, *casts)
-        return tuple(F.linear(x, w) for w in casts)
+        ctx.save_for_backward(x, stacked)
+        ctx.rows = rows
+        return F.linear(x, stacked).split(rows, -1)
 
     @staticmethod
     def backward(ctx, *gs):
-        x, *ws = ctx.saved_tensors
+        x, stacked = ctx.saved_tensors
         x2d = x.flatten(0, -2)
         g2d = [g.flatten(0, -2) for g in gs]
+        needs = ctx.needs_input_grad[4:]
+        g_all = side_by_side(g2d, 1)
+        pairs = [(g_all, stacked)] if g_all is not None else list(zip(g2d, stacked.split(ctx.rows)))
         dx = None
         if ctx.needs_input_grad[0]:
-            for g, w in zip(g2d, ws):
+            for g, w in pairs:
                 dx = g @ w if dx is None else dx.addmm_(g, w)
             dx = dx.view(x.shape)
-        dws = [torch.mm(g.t(), x2d, out_dtype=torch.float32) if need else None
-               for g, need in zip(g2d, ctx.needs_input_grad[3:])]
-        return dx, None, None, *dws
+        if g_all is not None and all(needs):
+            dws = torch.mm(g_all.t(), x2d, out_dtype=torch.float32).split(ctx.rows)
+        else:
+            dws = [torch.mm(g.t(), x2d, out_dtype=torch.float32) if need else None for g, need in zip(g2d, needs)]
+        return dx, None, None, None, *dws
+
+
+def side_by_side(tensors, dim: int):
+    """The one tensor that `tensors` are consecutive slices of along `dim` (one storage, one dtype,
+    the same strides and other sizes, each starting where the one before ends), as a view; else None."""
+    def rest(t):
+        return t.dtype, t.stride(), t.untyped_storage().data_ptr(), t.shape[:dim] + t.shape[dim + 1:]
+    size = list(tensors[0].shape)
+    for a, b in zip(tensors, tensors[1:]):
+        if rest(b) != rest(a) or b.storage_offset() != a.storage_offset() + a.shape[dim] * a.stride(dim):
+            return None
+        size[dim] += b.shape[dim]
+    return tensors[0].as_strided(size, tensors[0].stride(), tensors[0].storage_offset())
 
 
 class RMSNorm(nn.Module):
@@ -138,9 +164,10 @@ def apply_rope(x, cos, sin):
     return x * cos + swapped * sin
 
 
-def rope(x, cos, sin, out_dtype):
-    """apply_rope rounded to out_dtype: what attention takes (a fused kernel may stand in)."""
-    return apply_rope(x, cos, sin).to(out_dtype)
+def rope(q, k, v, cos, sin):
+    """What attention takes: q and k by apply_rope rounded to v's dtype, v as it is (a fused kernel
+    may stand in)."""
+    return apply_rope(q, cos, sin).to(v.dtype), apply_rope(k, cos, sin).to(v.dtype), v
 
 
 def swiglu(gate, up):
@@ -165,6 +192,8 @@ def shared_input(x, modules):
 
 
 class Block(nn.Module):
+    GROUPS = ("attn_q", "attn_k", "attn_v"), ("ffn_gate", "ffn_up")   # projections that read one input
+
     def __init__(self, config: LlamaConfig, modules: dict[str, nn.Module], rope=rope, swiglu=swiglu, attend=attend):
         super().__init__()
         self.config = config
@@ -175,16 +204,19 @@ class Block(nn.Module):
     def attention(self, x, cos, sin):
         c = self.config
         B, T, _ = x.shape
-        q, k, v = shared_input(x, (self.attn_q, self.attn_k, self.attn_v))
+        q, k, v = shared_input(x, self.groups()[0])
         q = q.view(B, T, c.n_head, c.head_dim).transpose(1, 2)       # (B, H, T, E)
         k = k.view(B, T, c.n_kv_head, c.head_dim).transpose(1, 2)    # (B, K, T, E)
         v = v.view(B, T, c.n_kv_head, c.head_dim).transpose(1, 2)    # (B, K, T, E)
-        q, k = self.rope(q, cos, sin, v.dtype), self.rope(k, cos, sin, v.dtype)
+        q, k, v = self.rope(q, k, v, cos, sin)
         y = self.attend(q, k, v).transpose(1, 2).reshape(B, T, c.dim)              # (B, T, D)
         return self.attn_output(y)
 
     def mlp(self, x):
-        return self.ffn_down(self.swiglu(*shared_input(x, (self.ffn_gate, self.ffn_up))))
+        return self.ffn_down(self.swiglu(*shared_input(x, self.groups()[1])))
+
+    def groups(self) -> list[tuple]:
+        return [tuple(getattr(self, name) for name in names) for names in self.GROUPS]
 
     def forward(self, x, y, cos, sin):
         """x: the FP32 residual stream before the previous block's output y (None before the
