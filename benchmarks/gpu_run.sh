@@ -15,6 +15,8 @@
 #   attention   benchmarks/attention.py (fused causal attention against PyTorch's) -> <date>-h200-attention.json
 #   cudnn       benchmarks/attention_cudnn.py (cuDNN's deterministic attention against ours) -> <date>-h200-attention-cudnn.json
 #   joint       benchmarks/joint_gemms.py (a group's projections as one GEMM against one a weight) -> <date>-h200-joint-gemms.json
+#   clocks      benchmarks/update_clocks.py (each update beside the SM clock, power, throttle reasons;
+#               COMBO, default llama-3.2-1b:full:cudnn)                -> update-clocks.log
 #   throughput  benchmarks/throughput.py (ours against the peer)     -> <date>-h200.json
 #               (COMBOS="model:method ... [--rounds R]" narrows it; R rounds alternate the two sides)
 #   ab          ours only, an earlier tree against this one, alternated ROUNDS times (default 2), one
@@ -58,6 +60,7 @@ for stage in "$@"; do
              | tee "$OUT/attention-cudnn.log" ;;
     joint) python3 benchmarks/joint_gemms.py "$OUT/$day-h200-joint-gemms.json" 2>&1 | tee "$OUT/joint-gemms.log" ;;
     lora) python3 benchmarks/lora_kernels.py "$OUT/$day-h200-lora-kernels.json" ${LORA:-} 2>&1 | tee "$OUT/lora-kernels.log" | tail -n 60 ;;
+    clocks) python3 benchmarks/update_clocks.py ${COMBO:-} 2>&1 | tee "$OUT/update-clocks.log" | grep -v "^   " ;;
     throughput) python3 benchmarks/throughput.py "$OUT/$day-h200.json" ${COMBOS:-} 2>&1 | tee "$OUT/throughput.log" ;;
     ab) for round in $(seq "${ROUNDS:-2}"); do for tree in "$OLD" "$PWD"; do
           name=$([ "$tree" = "$PWD" ] && echo new || echo old)

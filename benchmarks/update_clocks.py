@@ -1,0 +1,63 @@
+"""Each timed update of ours beside the GPU's SM clock, power draw, temperature and throttle
+reasons (`nvidia-smi`, sampled every 20 ms) and the garbage collector's full passes during the
+run: what makes one update slower than the rest. Two runs of 3 warm-up and 10 timed updates, as
+`throughput.py` times them.
+
+    CUBLAS_WORKSPACE_CONFIG=:4096:8 python benchmarks/update_clocks.py [model:method[:flag]]
+"""
+import gc
+import subprocess
+import sys
+import time
+
+import torch
+
+import throughput
+
+QUERY = "timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_reasons.active"
+
+
+def wall(t: float) -> str:
+    return time.strftime("%H:%M:%S", time.localtime(t)) + f".{int(t % 1 * 1000):03d}"
+
+
+def main():
+    combo = sys.argv[1] if len(sys.argv) > 1 else "llama-3.2-1b:full:cudnn"
+    full_passes = []
+
+    def collected(phase, info):
+        if phase == "start" and info["generation"] == 2:
+            full_passes.append(info)
+
+    gc.callbacks.append(collected)
+    for _ in range(2):
+        src, tr, va, state = throughput.start(combo, 13)
+        ends, walls = [], []
+
+        def tick(state, view):
+            ends.append(torch.cuda.Event(enable_timing=True))
+            ends[-1].record()
+            walls.append(time.time())
+
+        smi = subprocess.Popen(["nvidia-smi", f"--query-gpu={QUERY}", "--format=csv,noheader", "-lms", "20"],
+                               stdout=subprocess.PIPE, text=True)
+        time.sleep(0.5)
+        full_passes.clear()
+        src._train(tr, va, state, 13, progress=False, on_update=tick)
+        torch.cuda.synchronize()
+        time.sleep(0.2)
+        smi.terminate()
+        samples = smi.communicate()[0].splitlines()
+        timed = ends[2:]
+        print("gpu ms", " ".join(f"{a.elapsed_time(b):.1f}" for a, b in zip(timed[:-1], timed[1:])))
+        print("update ends", " ".join(map(wall, walls)))
+        print("full collections", len(full_passes))
+        for s in samples:
+            print("  ", s)
+        del src, tr, va, state
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
