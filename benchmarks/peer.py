@@ -30,7 +30,7 @@ outside it, `torch.optim.AdamW(params, lr=1e-4, fused=True)`, `zero_grad(set_to_
 
 Training: batch 8 x 1024 tokens, uniform random token ids (seeded generator), labels = input_ids
 (the model's own shifted causal-LM loss, `model(input_ids=..., labels=...).loss`), one optimizer
-step per batch. 3 warm-up steps on fresh random batches, then N (default 10) timed steps on ONE
+step per batch. 3 warm-up steps on fresh random batches, then N (default 40) timed steps on ONE
 fixed batch repeated, so that the loss must fall (`loss_fell`: last timed loss < first). Each
 timed step ends with a device synchronisation; tokens/s = N * batch * seq / (sum of timed step
 seconds). `peak_bytes` = torch.cuda.max_memory_allocated() with the peak reset after the model
@@ -166,7 +166,7 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
-def run(model: str, method: str, steps=10, warmup=3, batch=8, seq=1024, device="cuda",
+def run(model: str, method: str, steps=40, warmup=3, batch=8, seq=1024, device="cuda",
         tiny=False) -> dict:
     device = torch.device(device)
     cuda = device.type == "cuda"
@@ -221,7 +221,7 @@ def main(argv=None):
     ap.add_argument("runs", nargs="*", help="model:method (default: the standard matrix)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--tiny", action="store_true", help="tiny shapes, batch 2 x 32 (path check)")
-    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--warmup", type=int, default=3)
     args = ap.parse_intermixed_args(argv)
     batch, seq = (2, 32) if args.tiny else (8, 1024)

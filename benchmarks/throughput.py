@@ -4,29 +4,32 @@
         [--steps N] [--rounds R] [--no-peer]
     ... --profile model:method[:flag]   where one update's GPU time goes (no JSON)
 
-Both sides train random-weight models of the real shapes (SmolLM2-135M, Llama-3.2-1B,
-Llama-3.1-8B) on batches of 8 x 1024 tokens: BF16 operation policy, LoRA rank 16 / alpha 32 on
-all seven projections, AdamW. Ours runs in this process under the library's default
-deterministic policy (`CUBLAS_WORKSPACE_CONFIG`, deterministic algorithms, TF32 off); the peer
-(`benchmarks/peer.py`: transformers + PEFT + bitsandbytes) runs in a child process in its usual
-mode. Each side warms up, then times N updates over the same fixed batch of 8 sequences, so "the
-loss falls" is checkable, and reports tokens/s (8 x 1024 input positions per update, over the sum
-of the timed updates' seconds) and the Torch allocator peak. The peer synchronises after each
-update and times it on the host; ours records a CUDA event at each update's end, so the GPU's
-waits for our loop's host work stay in the figure. Ours clips the gradient norm at 1.0 (the
-library's default); the peer's loop does not clip. Methods: full (FP32 masters), lora (FP32
-base), qlora (NF4 double-quantized base; its products decode each weight whole on the GPU and
-multiply it with cuBLAS, nf4_kernel="decoded", as the peer's bitsandbytes does). Ours records each
-micro-batch shape's kernels as a CUDA graph (profile cuda_graphs=True, the same bits as eager),
-runs the adapters' products through the fused kernels (adapter_kernel="fused") and RMSNorm, RoPE
-and the head's cross-entropy through theirs (layer_kernel="fused"); the flag `:eager` measures
-the eager loop instead, `:torch` the adapters' torch ops, `:torch-layers` the layers' torch ops,
-`:fused` QLoRA's products through the fused NF4 kernels (nf4_kernel="fused", no decoded weight),
-`:kept` each decoded weight kept from the forward for the backward (nf4_kernel="decoded_kept"),
-`:microN` N sequences a micro-batch (8 / N micro-batches an update; 8 by default), `:noclip`
-no clipping of the gradient norm (ours clips at 1.0 by default; the peer's loop never clips: with
-`:noclip` both sides do the same work), `:cudnn` attention through cuDNN's deterministic kernels
-(attention_kernel="cudnn"). The record holds both sides and their ratios.
+Both sides train random-weight models of the real shapes (SmolLM2-135M, Llama-3.2-1B, Llama-3.1-8B)
+on batches of 8 x 1024 tokens: BF16 operation policy, LoRA rank 16 / alpha 32 on all seven
+projections, AdamW. Ours runs in this process under the library's default deterministic policy
+(`CUBLAS_WORKSPACE_CONFIG`, deterministic algorithms, TF32 off); the peer (`benchmarks/peer.py`:
+transformers + PEFT + bitsandbytes) runs in a child process in its usual mode. Each side warms up,
+then times N updates (40 by default) over the same fixed batch of 8 sequences, so "the loss falls"
+is checkable. At the H200's power limit an update's time swings with the power controller's cycle of
+about a second (Llama-3.2-1B full, ours: 116-126 ms, the first dip deepest): ten updates sample
+about one cycle, and their ratio to the peer's moved 1.48-1.51x with where the window began in one
+run; forty sample five. Each side reports tokens/s (8 x 1024 input positions per update, over the
+sum of the timed updates' seconds) and the Torch allocator peak. The peer synchronises after each
+update and times it on the host; ours records a CUDA event at each update's end, so the GPU's waits
+for our loop's host work stay in the figure. Ours clips the gradient norm at 1.0 (the library's
+default); the peer's loop does not clip. Methods: full (FP32 masters), lora (FP32 base), qlora (NF4
+double-quantized base; its products decode each weight whole on the GPU and multiply it with cuBLAS,
+nf4_kernel="decoded", as the peer's bitsandbytes does). Ours records each micro-batch shape's
+kernels as a CUDA graph (profile cuda_graphs=True, the same bits as eager), runs the adapters'
+products through the fused kernels (adapter_kernel="fused") and RMSNorm, RoPE and the head's
+cross-entropy through theirs (layer_kernel="fused"); the flag `:eager` measures the eager loop
+instead, `:torch` the adapters' torch ops, `:torch-layers` the layers' torch ops, `:fused` QLoRA's
+products through the fused NF4 kernels (nf4_kernel="fused", no decoded weight), `:kept` each decoded
+weight kept from the forward for the backward (nf4_kernel="decoded_kept"), `:microN` N sequences a
+micro-batch (8 / N micro-batches an update; 8 by default), `:noclip` no clipping of the gradient
+norm (ours clips at 1.0 by default; the peer's loop never clips: with `:noclip` both sides do the
+same work), `:cudnn` attention through cuDNN's deterministic kernels (attention_kernel="cudnn"). The
+record holds both sides and their ratios.
 `--rounds R` measures both sides R times in one call, alternated (the peer before ours in odd
 rounds, after in even ones: the peer's figures move with the machine's host far more than
 ours), and each row reports each side's median round, their ratio and every round's figures.
@@ -156,7 +159,7 @@ def start(combo: str, updates: int):
     return src, tr, va, state
 
 
-def ours(combo: str, steps=10, warmup=3) -> dict:
+def ours(combo: str, steps=40, warmup=3) -> dict:
     model, method, _ = parse(combo)
     src, tr, va, state = start(combo, warmup + steps)
     ends = []
@@ -248,7 +251,7 @@ def main():
     ap.add_argument("combos", nargs="*")
     ap.add_argument("--profile")
     ap.add_argument("--no-peer", action="store_true")
-    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--rounds", type=int, default=1, help="ours and the peer alternated; medians reported")
     a = ap.parse_intermixed_args()
     if a.profile:

@@ -1,7 +1,7 @@
 """Each timed update of ours beside the GPU's SM clock, power draw, temperature and throttle
 reasons (`nvidia-smi`, sampled every 20 ms) and the garbage collector's full passes during the
-run: what makes one update slower than the rest. Two runs of 3 warm-up and 10 timed updates, as
-`throughput.py` times them.
+run: what makes one update slower than the rest. Two runs of 3 warm-up and 10 timed updates, the
+first of the power controller's cycles (`throughput.py` times 40).
 
     CUBLAS_WORKSPACE_CONFIG=:4096:8 python benchmarks/update_clocks.py [model:method[:flag]]
 """
