@@ -80,7 +80,8 @@ def group(M, K, rows, dtype=torch.bfloat16):
         d_chain.addmm_(gi, wi)
     for wi, yi in zip(ws, ys):
         torch.mm(x, wi.t(), out=yi)
-    out["forward_each_into_joint_equal"] = all(torch.equal(yi, torch.nn.functional.linear(x, wi)) for wi, yi in zip(ws, ys))
+    out["forward_each_into_joint_equal"] = all(torch.equal(yi, torch.nn.functional.linear(x, wi))
+                                               for wi, yi in zip(ws, ys))
     exact = (gy.double() @ w.double())
     out["dx_chain_err"] = (d_chain.double() - exact).abs().max().item()
     out["dx_joint_err"] = (torch.mm(gy, w).double() - exact).abs().max().item()
