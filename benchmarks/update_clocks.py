@@ -14,6 +14,7 @@ import torch
 
 import throughput
 
+WARMUP, TIMED = 3, 10
 QUERY = "timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_reasons.active"
 
 
@@ -31,7 +32,7 @@ def main():
 
     gc.callbacks.append(collected)
     for _ in range(2):
-        src, tr, va, state = throughput.start(combo, 13)
+        src, tr, va, state = throughput.start(combo, WARMUP + TIMED)
         ends, walls = [], []
 
         def tick(state, view):
@@ -43,12 +44,12 @@ def main():
                                stdout=subprocess.PIPE, text=True)
         time.sleep(0.5)
         full_passes.clear()
-        src._train(tr, va, state, 13, progress=False, on_update=tick)
+        src._train(tr, va, state, WARMUP + TIMED, progress=False, on_update=tick)
         torch.cuda.synchronize()
         time.sleep(0.2)
         smi.terminate()
         samples = smi.communicate()[0].splitlines()
-        timed = ends[2:]
+        timed = ends[WARMUP - 1:]     # from the end of the last warm-up update
         print("gpu ms", " ".join(f"{a.elapsed_time(b):.1f}" for a, b in zip(timed[:-1], timed[1:])))
         print("update ends", " ".join(map(wall, walls)))
         print("full collections", len(full_passes))
