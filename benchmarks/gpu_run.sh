@@ -15,6 +15,10 @@
 #   attention   benchmarks/attention.py (fused causal attention against PyTorch's) -> <date>-h200-attention.json
 #   cudnn       benchmarks/attention_cudnn.py (cuDNN's deterministic attention against ours) -> <date>-h200-attention-cudnn.json
 #   joint       benchmarks/joint_gemms.py (a group's projections as one GEMM against one a weight) -> <date>-h200-joint-gemms.json
+#   overlap     benchmarks/overlap.py (AdamW and the clipping norm's squares on a second stream beside
+#               the GEMMs: whether they hide)                         -> <date>-h200-overlap.json
+#   energy      benchmarks/energy.py (joules an update, mean power and SM clock, ours against the peer;
+#               COMBOS, default llama-3.2-1b:full:cudnn)              -> <date>-h200-energy.json
 #   clocks      benchmarks/update_clocks.py (each update beside the SM clock, power, throttle reasons;
 #               COMBO, default llama-3.2-1b:full:cudnn)                -> update-clocks.log
 #   throughput  benchmarks/throughput.py (ours against the peer)     -> <date>-h200.json
@@ -60,6 +64,10 @@ for stage in "$@"; do
              | tee "$OUT/attention-cudnn.log" ;;
     joint) python3 benchmarks/joint_gemms.py "$OUT/$day-h200-joint-gemms.json" 2>&1 | tee "$OUT/joint-gemms.log" ;;
     lora) python3 benchmarks/lora_kernels.py "$OUT/$day-h200-lora-kernels.json" ${LORA:-} 2>&1 | tee "$OUT/lora-kernels.log" | tail -n 60 ;;
+    overlap) python3 benchmarks/overlap.py "$OUT/$day-h200-overlap.json" 2>&1 \
+               | tee "$OUT/overlap.log" ;;
+    energy) python3 benchmarks/energy.py "$OUT/$day-h200-energy.json" ${COMBOS:-} 2>&1 \
+              | tee "$OUT/energy.log" | grep -v "^ *$" ;;
     clocks) python3 benchmarks/update_clocks.py ${COMBO:-} 2>&1 | tee "$OUT/update-clocks.log" | grep -v "^   " ;;
     throughput) python3 benchmarks/throughput.py "$OUT/$day-h200.json" ${COMBOS:-} 2>&1 | tee "$OUT/throughput.log" ;;
     ab) for round in $(seq "${ROUNDS:-2}"); do for tree in "$OLD" "$PWD"; do

@@ -33,8 +33,9 @@ Training: batch 8 x 1024 tokens, uniform random token ids (seeded generator), la
 step per batch. 3 warm-up steps on fresh random batches, then N (default 40) timed steps on ONE
 fixed batch repeated, so that the loss must fall (`loss_fell`: last timed loss < first). Each
 timed step ends with a device synchronisation; tokens/s = N * batch * seq / (sum of timed step
-seconds). `peak_bytes` = torch.cuda.max_memory_allocated() with the peak reset after the model
-(and adapter) are built, before warm-up, so it includes the first step's optimizer state.
+seconds); `step_ends` are their ends on the wall clock. `peak_bytes` =
+torch.cuda.max_memory_allocated() with the peak reset after the model (and adapter) are built,
+before warm-up, so it includes the first step's optimizer state.
 `model_bytes` = memory allocated at that reset. `losses` are the timed steps' losses (each is the
 loss of the forward before that step's update). Parameter counts come from PEFT's
 `get_nb_trainable_parameters()` for lora/qlora (4-bit weights counted unpacked) and from the
@@ -183,19 +184,20 @@ def run(model: str, method: str, steps=40, warmup=3, batch=8, seq=1024, device="
     for _ in range(warmup):
         train_step(net, opt, torch.randint(0, vocab, (batch, seq), generator=gen, device=device))
     _sync(device)
-    seconds, losses = [], []
+    seconds, ends, losses = [], [], []
     for _ in range(steps):
         t0 = time.perf_counter()
         losses.append(train_step(net, opt, fixed))
         _sync(device)
         seconds.append(time.perf_counter() - t0)
+        ends.append(time.time())
     losses = [float(x) for x in losses]
     peak = torch.cuda.max_memory_allocated(device) if cuda else None
     result = {
         "side": "peer", "model": model, "method": method,
         "tokens_per_s": steps * batch * seq / sum(seconds),
         "peak_bytes": peak, "model_bytes": model_bytes,
-        "step_seconds": seconds, "losses": losses,
+        "step_seconds": seconds, "step_ends": ends, "losses": losses,
         "loss_fell": losses[-1] < losses[0],
         "finite": all(x == x and abs(x) != float("inf") for x in losses),
         "loss_batch": "timed steps repeat one fixed random batch; warm-up uses fresh batches",

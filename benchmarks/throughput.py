@@ -162,11 +162,12 @@ def start(combo: str, updates: int):
 def ours(combo: str, steps=40, warmup=3) -> dict:
     model, method, _ = parse(combo)
     src, tr, va, state = start(combo, warmup + steps)
-    ends = []
+    ends, walls = [], []
 
     def tick(state, view):
         ends.append(torch.cuda.Event(enable_timing=True))
         ends[-1].record()
+        walls.append(time.time())     # the host's clock as it commits the update (`energy.py`'s window)
 
     # One run of warmup + steps updates, timed from the end of the last warm-up update to the end
     # of the last one: the call's start (private copies of the trainable tensors, the moments,
@@ -182,6 +183,7 @@ def ours(combo: str, steps=40, warmup=3) -> dict:
     result = {"side": "ours", "model": model, "method": method,
               "tokens_per_s": steps * BATCH * SEQ / sum(step_seconds),
               "peak_bytes": torch.cuda.max_memory_allocated(), "admitted_bytes": admitted, "step_seconds": step_seconds,
+              "update_ends": walls[warmup - 1:],
               "losses": losses, "finite": all(map(math.isfinite, losses)),
               "loss_fell": losses[-1] < losses[0], "parameters": m.parameters(), "micro_batch": state.run.micro_batch,
               "clip_norm": state.run.clip_norm,

@@ -1,18 +1,18 @@
 """Each timed update of ours beside the GPU's SM clock, power draw, temperature and throttle
-reasons (`nvidia-smi`, sampled every 20 ms) and the garbage collector's full passes during the
-run: what makes one update slower than the rest. Two runs of 3 warm-up and 10 timed updates, the
+reasons (`nvidia-smi` every 20 ms, `energy.Sampler`) and the garbage collector's full passes during
+the run: what makes one update slower than the rest. Two runs of 3 warm-up and 10 timed updates, the
 first of the power controller's cycles (`throughput.py` times 40).
 
     CUBLAS_WORKSPACE_CONFIG=:4096:8 python benchmarks/update_clocks.py [model:method[:flag]]
 """
 import gc
-import subprocess
 import sys
 import time
 
 import torch
 
 import throughput
+from energy import Sampler
 
 WARMUP, TIMED = 3, 10
 QUERY = "timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_reasons.active"
@@ -40,21 +40,17 @@ def main():
             ends[-1].record()
             walls.append(time.time())
 
-        smi = subprocess.Popen(["nvidia-smi", f"--query-gpu={QUERY}", "--format=csv,noheader", "-lms", "20"],
-                               stdout=subprocess.PIPE, text=True)
-        time.sleep(0.5)
-        full_passes.clear()
-        src._train(tr, va, state, WARMUP + TIMED, progress=False, on_update=tick)
-        torch.cuda.synchronize()
-        time.sleep(0.2)
-        smi.terminate()
-        samples = smi.communicate()[0].splitlines()
+        with Sampler(QUERY) as smi:
+            full_passes.clear()
+            src._train(tr, va, state, WARMUP + TIMED, progress=False, on_update=tick)
+            torch.cuda.synchronize()
         timed = ends[WARMUP - 1:]     # from the end of the last warm-up update
         print("gpu ms", " ".join(f"{a.elapsed_time(b):.1f}" for a, b in zip(timed[:-1], timed[1:])))
         print("update ends", " ".join(map(wall, walls)))
         print("full collections", len(full_passes))
-        for s in samples:
-            print("  ", s)
+        print("  ", QUERY)
+        for line in smi.lines:
+            print("  ", line)
         del src, tr, va, state
         gc.collect()
         torch.cuda.empty_cache()
