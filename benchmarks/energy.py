@@ -69,14 +69,14 @@ def main(out: str, combos: list[str]):
     for combo in combos or ["llama-3.2-1b:full:cudnn"]:
         with Sampler() as ours_smi:
             ours = throughput.ours(combo)
-        with Sampler() as peer_smi, tempfile.TemporaryDirectory() as tmp:
-            peer = throughput.peer([throughput.pair(combo)], Path(tmp) / "peer.json", 40)[throughput.pair(combo)]
         ends, steps = ours["update_ends"], len(ours["step_seconds"])
+        with Sampler() as peer_smi, tempfile.TemporaryDirectory() as tmp:
+            peer = throughput.peer([throughput.pair(combo)], Path(tmp) / "peer.json", steps)[throughput.pair(combo)]
+        peer_start = peer["step_ends"][0] - peer["step_seconds"][0]
         row = {"combo": combo,
                "ours": {"tokens_per_s": ours["tokens_per_s"], **ours_smi.window(ends[0], ends[-1], steps)},
                "peer": {"tokens_per_s": peer["tokens_per_s"],
-                        **peer_smi.window(peer["step_ends"][0] - peer["step_seconds"][0], peer["step_ends"][-1],
-                                          len(peer["step_seconds"]))}}
+                        **peer_smi.window(peer_start, peer["step_ends"][-1], len(peer["step_seconds"]))}}
         o, p = row["ours"], row["peer"]
         row["speedup"] = o["tokens_per_s"] / p["tokens_per_s"]
         row["joules_ratio"] = p["joules_per_update"] / o["joules_per_update"]
@@ -86,7 +86,8 @@ def main(out: str, combos: list[str]):
             print(f"{combo:28} {side} {s['tokens_per_s'] / 1e3:6.1f}k tok/s {s['mean_watts']:5.0f} W "
                   f"(limit {s['limit_watts']:.0f}) {s['mean_sm_mhz']:5.0f} MHz {s['joules_per_update']:6.1f} J/update "
                   f"({s['samples']} samples)", flush=True)
-        print(f"{combo:28} x{row['speedup']:.3f}; the peer's joules an update / ours {row['joules_ratio']:.3f}", flush=True)
+        print(f"{combo:28} x{row['speedup']:.3f}; the peer's joules an update / ours {row['joules_ratio']:.3f}",
+              flush=True)
         Path(out).write_text(json.dumps({"rows": rows}, indent=1))
 
 
