@@ -30,21 +30,28 @@ def graphed(fn, calls=10):
     return graph
 
 
-def timed(variants: dict, calls=10, repeats=7) -> dict:
-    """Median microseconds a call of each variant over `repeats` replays of its graph of `calls`
-    calls, the variants replayed in turn within each repeat (the GPU's clock falls as it warms at
-    the power limit: timed one after another, the first variant would run fastest)."""
-    graphs = {name: graphed(fn, calls) for name, fn in variants.items()}
-    times = {name: [] for name in variants}
+def in_turn(runs: dict, repeats=7) -> dict:
+    """Median milliseconds of each callable's GPU work over `repeats` calls, the callables called
+    in turn within each repeat (the GPU's clock falls as it warms at the power limit: timed one
+    after another, the first would run fastest)."""
+    times = {name: [] for name in runs}
+    torch.cuda.synchronize()
     for _ in range(repeats):
-        for name, graph in graphs.items():
+        for name, run in runs.items():
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            graph.replay()
+            run()
             end.record()
             torch.cuda.synchronize()
-            times[name].append(start.elapsed_time(end) * 1000 / calls)
+            times[name].append(start.elapsed_time(end))
     return {name: statistics.median(t) for name, t in times.items()}
+
+
+def timed(variants: dict, calls=10, repeats=7) -> dict:
+    """Median microseconds a call of each variant over `repeats` replays of its graph of `calls`
+    calls, the variants replayed in turn (`in_turn`)."""
+    ms = in_turn({name: graphed(fn, calls).replay for name, fn in variants.items()}, repeats)
+    return {name: t * 1000 / calls for name, t in ms.items()}
 
 
 def group(M, K, rows, dtype=torch.bfloat16):

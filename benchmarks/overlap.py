@@ -11,12 +11,12 @@ alone are bound by the host; the pairs are queued well ahead of the GPU.
     python benchmarks/overlap.py OUT.json
 """
 import json
-import statistics
 import sys
 
 import torch
 
 from aner.kernels.adamw import adamw_, squares
+from joint_gemms import in_turn
 
 LAYERS, TOKENS, D, F, QKV = 16, 8192, 2048, 8192, 3072
 
@@ -96,17 +96,7 @@ def main(out: str):
     }
     for fn in variants.values():
         fn()
-    times = {name: [] for name in variants}
-    for _ in range(9):
-        for name, fn in variants.items():
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda.synchronize()
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            times[name].append(start.elapsed_time(end))
-    median = {name: statistics.median(t) for name, t in times.items()}
+    median = in_turn(variants, repeats=9)
     for name, t in median.items():
         print(f"{name:30s} {t:8.3f} ms")
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "ms": median,
