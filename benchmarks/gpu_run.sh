@@ -14,6 +14,8 @@
 #   norms       benchmarks/norm_kernels.py (RMSNorm backward, sum_splits) -> <date>-h200-norm-kernels.json
 #   attention   benchmarks/attention.py (fused causal attention against PyTorch's) -> <date>-h200-attention.json
 #   cudnn       benchmarks/attention_cudnn.py (cuDNN's deterministic attention against ours) -> <date>-h200-attention-cudnn.json
+#   ce          benchmarks/cross_entropy.py (the fused cross-entropy's variants; OLD: an earlier tree's too)
+#                                                                     -> <date>-h200-cross-entropy.json
 #   joint       benchmarks/joint_gemms.py (a group's projections as one GEMM against one a weight) -> <date>-h200-joint-gemms.json
 #   overlap     benchmarks/overlap.py (AdamW and the clipping norm's squares on a second stream beside
 #               the GEMMs: whether they hide)                         -> <date>-h200-overlap.json
@@ -62,6 +64,8 @@ for stage in "$@"; do
     attention) python3 benchmarks/attention.py "$OUT/$day-h200-attention.json" 2>&1 | tee "$OUT/attention.log" ;;
     cudnn) PYTHONPATH=$PYTHONPATH:$PWD/benchmarks python3 benchmarks/attention_cudnn.py "$OUT/$day-h200-attention-cudnn.json" 2>&1 \
              | tee "$OUT/attention-cudnn.log" ;;
+    ce) python3 benchmarks/cross_entropy.py "$OUT/$day-h200-cross-entropy.json" ${OLD:+--old "$OLD"} 2>&1 \
+          | tee "$OUT/cross-entropy.log" ;;
     joint) python3 benchmarks/joint_gemms.py "$OUT/$day-h200-joint-gemms.json" 2>&1 | tee "$OUT/joint-gemms.log" ;;
     lora) python3 benchmarks/lora_kernels.py "$OUT/$day-h200-lora-kernels.json" ${LORA:-} 2>&1 | tee "$OUT/lora-kernels.log" | tail -n 60 ;;
     overlap) python3 benchmarks/overlap.py "$OUT/$day-h200-overlap.json" 2>&1 \

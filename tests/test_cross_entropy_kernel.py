@@ -114,6 +114,24 @@ def test_in_place_and_deterministic(V, dtype):
     assert grad3 is buf and torch.equal(loss3, loss) and torch.equal(grad3, grad)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_rows_shared_by_programs_same_bits(dtype):
+    """Programs taking many rows each (every P-th row), and a row in flight past n: the bits of one
+    program a row, whatever the number of programs; and the float64 reference."""
+    from aner.kernels.cross_entropy import _launch
+    n, V = 37, 5003
+    logits, targets = inputs(n, V, dtype)
+    s = torch.tensor(1 / 137, device=DEV)
+    runs = []
+    for programs in (n, 4, 3, 1):
+        loss, grad = torch.full((n,), float("nan"), device=DEV), torch.full_like(logits, float("nan"))
+        _launch(logits, targets, s, loss, grad, -100, programs)
+        runs.append((loss, grad))
+    for loss, grad in runs[1:]:
+        assert torch.equal(loss, runs[0][0]) and torch.equal(grad, runs[0][1])
+    check(runs[0][0].sum(), runs[0][1], logits, targets, 1 / 137)
+
+
 def test_errors():
     logits, targets = inputs(4, 1001, torch.float32)
     s = torch.tensor(1.0, device=DEV)
