@@ -67,13 +67,17 @@ def group(M, K, rows, dtype=torch.bfloat16):
         d = torch.mm(gs[0], ws[0])
         for gi, wi in zip(gs[1:], ws[1:]):
             d.addmm_(gi, wi)
+        return d
 
-    y = torch.empty(M, sum(rows), device="cuda", dtype=dtype)
-    ys = y.split(rows, dim=1)
+    ys = torch.empty(M, sum(rows), device="cuda", dtype=dtype).split(rows, dim=1)
+
+    def into_joint():
+        for wi, yi in zip(ws, ys):
+            torch.mm(x, wi.t(), out=yi)
 
     out = timed({
         "forward_each_us": lambda: [torch.nn.functional.linear(x, wi) for wi in ws],
-        "forward_each_into_joint_us": lambda: [torch.mm(x, wi.t(), out=yi) for wi, yi in zip(ws, ys)],
+        "forward_each_into_joint_us": into_joint,
         "forward_joint_us": lambda: torch.nn.functional.linear(x, w),
         "dx_chain_us": chain,
         "dx_joint_us": lambda: torch.mm(gy, w, out=dx),
@@ -82,11 +86,8 @@ def group(M, K, rows, dtype=torch.bfloat16):
         "dw_each_of_joint_us": lambda: [torch.mm(gi.t(), x, out_dtype=torch.float32) for gi in gy.split(rows, dim=1)],
         "dw_joint_us": lambda: torch.mm(gy.t(), x, out_dtype=torch.float32),
     })
-    d_chain = torch.mm(gs[0], ws[0])
-    for gi, wi in zip(gs[1:], ws[1:]):
-        d_chain.addmm_(gi, wi)
-    for wi, yi in zip(ws, ys):
-        torch.mm(x, wi.t(), out=yi)
+    d_chain = chain()
+    into_joint()
     out["forward_each_into_joint_equal"] = all(torch.equal(yi, torch.nn.functional.linear(x, wi))
                                                for wi, yi in zip(ws, ys))
     exact = (gy.double() @ w.double())
