@@ -16,6 +16,8 @@
 #   cudnn       benchmarks/attention_cudnn.py (cuDNN's deterministic attention against ours) -> <date>-h200-attention-cudnn.json
 #   ce          benchmarks/cross_entropy.py (the fused cross-entropy's variants; OLD: an earlier tree's too)
 #                                                                     -> <date>-h200-cross-entropy.json
+#   joined      benchmarks/joined_delta.py (an adapter's delta joined to its base's GEMM along K against
+#               expand's delta added by the GEMM)                     -> <date>-h200-joined-delta.json
 #   joint       benchmarks/joint_gemms.py (a group's projections as one GEMM against one a weight) -> <date>-h200-joint-gemms.json
 #   overlap     benchmarks/overlap.py (AdamW and the clipping norm's squares on a second stream beside
 #               the GEMMs: whether they hide)                         -> <date>-h200-overlap.json
@@ -66,6 +68,8 @@ for stage in "$@"; do
              | tee "$OUT/attention-cudnn.log" ;;
     ce) python3 benchmarks/cross_entropy.py "$OUT/$day-h200-cross-entropy.json" ${OLD:+--old "$OLD"} 2>&1 \
           | tee "$OUT/cross-entropy.log" ;;
+    joined) PYTHONPATH=$PYTHONPATH:$PWD/benchmarks python3 benchmarks/joined_delta.py "$OUT/$day-h200-joined-delta.json" 2>&1 \
+              | tee "$OUT/joined-delta.log" ;;
     joint) python3 benchmarks/joint_gemms.py "$OUT/$day-h200-joint-gemms.json" 2>&1 | tee "$OUT/joint-gemms.log" ;;
     lora) python3 benchmarks/lora_kernels.py "$OUT/$day-h200-lora-kernels.json" ${LORA:-} 2>&1 | tee "$OUT/lora-kernels.log" | tail -n 60 ;;
     overlap) python3 benchmarks/overlap.py "$OUT/$day-h200-overlap.json" 2>&1 \

@@ -295,6 +295,38 @@ def test_decoded_kernel_trains_what_a_dense_base_of_its_weights_trains(tiny_path
     assert all(torch.equal(a._adapter_tensors[k], b._adapter_tensors[k]) for k in a._adapter_tensors)
 
 
+def test_joined_deltas_train_as_the_deltas_added(tiny_factory, data, tmp_path, monkeypatch):
+    """QLoRA as the throughput rows run it (nf4_kernel="decoded_kept", the fused adapter kernels,
+    BF16, rank 8 on all seven projections), on a model whose gate and up are twice x's width:
+    their deltas join the decoded products (`kernels.lora._joined`), the others' do not, and the
+    kept decodes are counted 3 r columns wider. The losses are those of a floating base holding
+    the decoded weights, where every delta is added, to 1e-3; recorded graphs give the eager bits,
+    and resume is exact."""
+    from aner.kernels import lora
+    tr, va = data
+    path = tiny_factory(Shape(tied=False, n_layer=2, dim=64, n_head=4, n_kv_head=2, ffn_dim=128))
+    packed = gen.import_model(path, device=DEV).nf4()
+    weights = {n: w if isinstance(w, torch.Tensor) else w.dequantize().to(DEV) for n, w in packed._weights.items()}
+    dense = packed._derive(weights=weights, storage="float32")
+    profile = dict(precision="bfloat16", adapter_kernel="fused", layer_kernel="fused")
+    lora_kw = dict(rank=8, seed=1, targets=list(ALIASES))
+    kw = dict(micro_batch=2, rate=1e-3, seed=4)
+    joins, joined = [], lora._joined
+    monkeypatch.setattr(lora, "_joined", lambda bases, *a: joins.append((len(bases), joined(bases, *a) is not None))
+                        or joined(bases, *a))
+    src = packed.with_training_profile(nf4_kernel="decoded_kept", **profile).lora(**lora_kw)
+    plain = packed.with_training_profile(nf4_kernel="decoded_kept", **profile).memory_summary()
+    rows = sum(packed._weights[n].shape[0] for n in src._method.config.targets)
+    assert src.memory_summary().dequant_tile_bytes == plain.dequant_tile_bytes + rows * 3 * 8 * 2
+    eager = src.fine_tune(tr, va, steps=4, **kw)
+    assert set(joins) == {(3, False), (2, True), (1, False)}     # q, k, v; gate, up; o and down
+    added = dense.with_training_profile(**profile).lora(**lora_kw).fine_tune(tr, va, steps=4, **kw)
+    assert np.allclose(eager._state.losses, added._state.losses, rtol=1e-3, atol=0)
+    graphed = src.with_training_profile(nf4_kernel="decoded_kept", cuda_graphs=True, **profile)
+    four = graphed.fine_tune(tr, va, steps=2, **kw).resume(tr, va, steps=2)
+    assert tensors_equal(eager, four) and eager._state.losses == four._state.losses
+
+
 @pytest.mark.parametrize("storage,method,kernel,precision", [
     ("float32", "full", "host_tiled", "float32"), ("float32", "full", "host_tiled", "bfloat16"),
     ("float32", "lora", "host_tiled", "float16"), ("nf4_double_quant", "lora", "fused", "bfloat16"),

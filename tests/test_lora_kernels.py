@@ -79,7 +79,14 @@ def test_projections_of_one_input_together(dtype):
     g_s = [torch.randn(M, n, device=DEV).to(dtype) for n, _ in shapes]
     outs = L.adapted_projections(bases, x, a_s, b_s)
     torch.autograd.backward(outs, g_s)
-    ws = [base.weight.to(dtype).double() for base in bases]  # the bases' operands
+    check_group(x, a_s, b_s, g_s, [base.weight.to(dtype).double() for base in bases], outs, dtype,
+                lambda out, ref, delta, scale, _: close(out, ref, scale, dtype, EPS[dtype] * delta.abs()))
+
+
+def check_group(x, a_s, b_s, g_s, ws, outs, dtype, check_out):
+    """Projections of one x against float64, for the bases' operands ws: each output by
+    check_out(out, reference, delta, |x| @ |W|^T + |u| @ |B|^T, |u| @ |B|^T), each factor's
+    gradient, and x's: du @ A rounded, then one rounding of the running sum per base."""
     xd = x.detach().double()
     dxd = sum(g.double() @ w for g, w in zip(g_s, ws))
     dx_scale = sum(g.double().abs() @ w.abs() for g, w in zip(g_s, ws))
@@ -88,13 +95,13 @@ def test_projections_of_one_input_together(dtype):
         ad, bd, gd = (t.detach().double() for t in (a, b, g))
         u, du = xd @ ad.t(), gd @ bd
         au, adu = xd.abs() @ ad.abs().t(), gd.abs() @ bd.abs()
-        delta = u @ bd.t()
-        close(out, xd @ w.t() + delta, xd.abs() @ w.abs().t() + au @ bd.abs().t(), dtype, EPS[dtype] * delta.abs())
+        delta, ub = u @ bd.t(), au @ bd.abs().t()
+        check_out(out, xd @ w.t() + delta, delta, xd.abs() @ w.abs().t() + ub, ub)
         close(a.grad, du.t() @ xd, adu.t() @ xd.abs(), torch.float32)
         close(b.grad, gd.t() @ u, gd.abs().t() @ au, torch.float32)
         ddx, ddx_scale = ddx + du @ ad, ddx_scale + adu @ ad.abs()
-    # du @ A rounded, then one rounding of the running sum per base
-    close(x.grad, dxd + ddx, dx_scale + ddx_scale, dtype, EPS[dtype] * ((len(bases) + 1) * ddx.abs() + len(bases) * dx_scale))
+    n = len(outs)
+    close(x.grad, dxd + ddx, dx_scale + ddx_scale, dtype, EPS[dtype] * ((n + 1) * ddx.abs() + n * dx_scale))
 
 
 def test_deterministic_with_a_frozen_factor():
@@ -159,3 +166,41 @@ def test_products_through_parts():
         close(db, g.double().t() @ qd, g.double().abs().t() @ qd.abs(), torch.float32)
         close(delta, qd @ b.double().t(), qd.abs() @ b.double().abs().t(), torch.float32)
     assert planes[:, :, 16:19].float().isnan().all()                      # the columns between untouched
+
+
+@pytest.mark.skipif(INTERPRET, reason="BF16 products: GPU only")
+def test_deltas_joined_to_decoded_products():
+    """Bases whose operand is decoded for each product (NF4, decoded_kept), outputs at least 4x as
+    wide as x (gate and up): each delta joins its base's GEMM along K, one rounding of
+    x @ W^T + u @ B^T with u's products to 2^-15 of |u| @ |B| (no rounding of a delta of its own);
+    the gradients as on the delta path, through the kept decodes' columns; the same bits twice.
+    An FP16 x, a rank not a multiple of 8, a Dense base or outputs narrower than 4x take the delta
+    path."""
+    from aner.kernels.nf4 import DevicePacked
+    from aner.quant.module import NF4Module
+    from aner.quant.nf4 import NF4Weight
+    M, n_in, shapes = 300, 64, [(192, 8), (320, 16)]            # (out, rank): a partial tile, unequal ranks
+    weights = [NF4Weight.quantize(torch.randn(n, n_in) * 0.05) for n, _ in shapes]
+    bases = [NF4Module(w, device_copy=DevicePacked.from_weight(w, DEV), decoded=True, kept=True) for w in weights]
+    x = torch.randn(M, n_in, device=DEV).bfloat16().requires_grad_(True)
+    a_s = [(torch.randn(r, n_in, device=DEV) / n_in ** 0.5).requires_grad_(True) for _, r in shapes]
+    b_s = [(torch.randn(n, r, device=DEV) * 0.1).requires_grad_(True) for n, r in shapes]
+    g_s = [torch.randn(M, n, device=DEV).bfloat16() for n, _ in shapes]
+    assert L._joined(bases, x, torch.bfloat16, [8, 16]) is not None
+    assert L._joined(bases, x.half(), torch.float16, [8, 16]) is None
+    assert L._joined(bases, x, torch.bfloat16, [8, 12]) is None
+    assert L._joined([bases[0], frozen_base(n_in, 320)], x, torch.bfloat16, [8, 16]) is None
+    assert L._joined(bases[:1], x, torch.bfloat16, [8]) is None            # 192 < 4 x 64
+    runs = []
+    for _ in range(2):
+        for t in (x, *a_s, *b_s):
+            t.grad = None
+        outs = L.adapted_projections(bases, x, a_s, b_s)
+        torch.autograd.backward(outs, g_s)
+        runs.append([o.detach() for o in outs] + [t.grad for t in (x, *a_s, *b_s)])
+    assert all(torch.equal(p, q) for p, q in zip(*runs))
+
+    def within_a_step(out, ref, delta, scale, ub):                # rounded once: within a BF16 step
+        assert ((out.double() - ref).abs() <= 2 ** -8 * ref.abs() + 2 ** -15 * ub + 1e-5 * scale).all()
+    check_group(x, a_s, b_s, g_s, [w.dequantize().to(DEV, torch.bfloat16).double() for w in weights], outs,
+                torch.bfloat16, within_a_step)

@@ -16,10 +16,13 @@ decoded weight), expand writes the delta rounded to x's dtype and the base's GEM
 product to it in FP32 (beta = 1: the GEMM reads it in its epilogue), rounding the sum once; in
 backward expand writes du @ A and the bases' input-gradient GEMMs add onto it. No pass reads a
 base's output again, and the delta's rounding is relative to the delta, not to the base's
-product. Any other base's output is read by expand, which adds the delta to it in FP32 and rounds
-once. Projections that read one input (q, k, v; gate, up) go together (`adapted_projections`):
-their A's stacked, x is read once by project and once by reduce_tokens, and one expand writes
-du @ A for the input gradient.
+product. Where the outputs are at least 4x as wide as x (gate and up) and the bases' weights are
+decoded for each product, the delta joins the GEMM instead (`_joined`): project writes x and u's
+BF16 parts side by side, the decode leaves columns for B's, and one GEMM makes the sum: no delta
+is written or read. Any other base's output is read by expand, which adds the delta to it in FP32
+and rounds once. Projections that read one input (q, k, v; gate, up) go together
+(`adapted_projections`): their A's stacked, x is read once by project and once by reduce_tokens,
+and one expand writes du @ A for the input gradient.
 
 Each reads its (M, N) operand once in its own dtype (FP32, FP16 or BF16) and computes its
 products to FP32 accuracy, as the adapter policy requires: on the tensor cores through exact BF16
@@ -59,11 +62,11 @@ class Tiles:
 
 
 @triton.jit
-def _project_kernel(p, w, out, M, N, R, stride_wr, stride_wn, STEPS: tl.constexpr,
+def _project_kernel(p, w, out, copy, copy_rows, M, N, R, stride_wr, stride_wn, STEPS: tl.constexpr,
                     BM: tl.constexpr, BN: tl.constexpr, RP: tl.constexpr, P_BF16: tl.constexpr,
-                    TC: tl.constexpr):
+                    TC: tl.constexpr, COPY: tl.constexpr):
     """out[s] (M, R) FP32 = p (M, N) @ w^T over columns [s, s + 1) * STEPS * BN of N, for w (R, N)
-    given by its strides."""
+    given by its strides; COPY: p also written to `copy`'s rows, copy_rows apart."""
     offs_m = tl.program_id(0) * BM + tl.arange(0, BM)
     pid_s = tl.program_id(1)
     offs_r = tl.arange(0, RP)
@@ -74,6 +77,9 @@ def _project_kernel(p, w, out, M, N, R, stride_wr, stride_wn, STEPS: tl.constexp
         offs_n = (pid_s * STEPS + i) * BN + tl.arange(0, BN)
         n_mask = offs_n < N
         pt = tl.load(p_rows + offs_n[None, :], mask=m_mask[:, None] & n_mask[None, :], other=0.0)
+        if COPY:
+            tl.store(copy + offs_m.to(tl.int64)[:, None] * copy_rows + offs_n[None, :], pt,
+                     mask=m_mask[:, None] & n_mask[None, :])
         wt = tl.load(w + offs_r[None, :] * stride_wr + offs_n[:, None] * stride_wn,
                      mask=n_mask[:, None] & (offs_r < R)[None, :], other=0.0)       # (BN, RP)
         acc = fp32_dot(pt, wt, acc, P_BF16, TC)
@@ -153,6 +159,20 @@ def _reduce_tokens_kernel(p, q, part, M, N, R, q_plane, q_rows, STEPS: tl.conste
              mask=n_mask[:, None] & r_mask[None, :])
 
 
+@triton.jit
+def _spread_kernel(b, out, N, R, stride_bn, stride_br, out_rows, BN: tl.constexpr, RP: tl.constexpr):
+    """out[n, p * R + c] (BF16, rows out_rows apart) = b[n, c]'s parts hi, hi, mid for p = 0, 1, 2:
+    a joined operand's columns for b (N, R) FP32, given by its strides."""
+    offs_n = tl.program_id(0) * BN + tl.arange(0, BN)
+    offs_r = tl.arange(0, RP)
+    mask = (offs_n < N)[:, None] & (offs_r < R)[None, :]
+    hi, mid, _ = bf16_parts(tl.load(b + offs_n[:, None] * stride_bn + offs_r[None, :] * stride_br, mask=mask, other=0.0))
+    at = out + offs_n.to(tl.int64)[:, None] * out_rows + offs_r[None, :]
+    tl.store(at, hi, mask=mask)
+    tl.store(at + R, hi, mask=mask)
+    tl.store(at + 2 * R, mid, mask=mask)
+
+
 def _rank_tile(r: int) -> int:
     return max(16, triton.next_power_of_2(r))
 
@@ -177,20 +197,23 @@ def _parts(tiles: int, steps: int, split: int) -> tuple[int, int]:
 
 
 def project(p: torch.Tensor, w: torch.Tensor, tiles: Tiles | None = None,
-            parts: torch.Tensor | None = None) -> torch.Tensor:
+            parts: torch.Tensor | None = None, joined: tuple[torch.Tensor, int] | None = None) -> torch.Tensor:
     """p (M, N) @ w^T -> (M, R) FP32, for w (R, N) FP32 (any strides); with `parts` ((3, M, R)
     BF16, e.g. columns of wider planes), written there as its BF16 parts instead, the operand
-    expand and reduce_tokens take."""
+    expand and reduce_tokens take. With `joined` (x', r_0) and parts: p and the parts also
+    written into x' as `_joined` lays them out."""
     M, N = p.shape
     R = w.shape[0]
     t = tiles or default_tiles("project", R)
     split, per = _parts(triton.cdiv(M, t.bm), triton.cdiv(N, t.bn), t.split)
     part = torch.empty(split, M, R, device=p.device, dtype=torch.float32)
+    copy = p if joined is None else joined[0][:, 3 * joined[1]:3 * joined[1] + N]
     if M:
         _project_kernel[(triton.cdiv(M, t.bm), split)](
-            p, w, part, M, N, R, w.stride(0), w.stride(1), STEPS=per, BM=t.bm, BN=t.bn,
-            RP=_rank_tile(R), P_BF16=p.dtype == torch.bfloat16, TC=t.tc, num_warps=t.warps, num_stages=t.stages)
-    return sum_splits(part, parts=parts)
+            p, w, part, copy, copy.stride(0), M, N, R, w.stride(0), w.stride(1), STEPS=per, BM=t.bm, BN=t.bn,
+            RP=_rank_tile(R), P_BF16=p.dtype == torch.bfloat16, TC=t.tc, COPY=joined is not None,
+            num_warps=t.warps, num_stages=t.stages)
+    return sum_splits(part, parts=parts, joined=joined)
 
 
 def to_parts(q: torch.Tensor) -> torch.Tensor:
@@ -254,6 +277,40 @@ def _columns(ranks):
     return [slice(e - r, e) for e, r in zip(ends, ranks)]
 
 
+def _joined(bases, x2d: torch.Tensor, dtype: torch.dtype, ranks) -> tuple[torch.Tensor, int] | None:
+    """(x', r_0) when the bases' deltas join their GEMMs along K, else None.
+
+    x' (M, 3 r_0 + K + 3 r_1) BF16 = [u_0's parts hi, mid, hi | x | u_1's parts hi, mid, hi],
+    written by project as it reads x. Base 0 multiplies x''s first 3 r_0 + K columns by
+    [B_0's parts hi, hi, mid | W_0], base 1 its last K + 3 r_1 by [W_1 | B_1's parts]: one GEMM
+    each makes x @ W_i^T + u_i @ B_i^T, u's products u_hi B_hi + u_mid B_hi + u_hi B_mid (exact in
+    FP32; what is left out is below 2^-16 of the leading one), the sum rounded once. No expand
+    writes a delta and no GEMM reads one back. Where: BF16, one or two bases whose operand is made
+    for each product (a decode: `spare_columns`), ranks that keep every column 16-byte aligned,
+    and outputs at least 4x as wide as x (gate and up): there the delta's write and read outweigh
+    x's copy and the 3 r more columns of each product; at q, k, v, o and down they do not
+    (`benchmarks/joined_delta.py`)."""
+    if dtype != torch.bfloat16 or x2d.dtype != dtype or len(bases) > 2 or any(r % 8 for r in ranks) \
+            or not all(getattr(base, "spare_columns", False) for base in bases) \
+            or sum(base.weight.shape[0] for base in bases) < 4 * x2d.shape[1]:
+        return None
+    M, K = x2d.shape
+    return torch.empty(M, 3 * sum(ranks) + K, device=x2d.device, dtype=dtype), ranks[0]
+
+
+def _joined_product(base, i: int, wide: torch.Tensor, r0: int, b: torch.Tensor, dtype: torch.dtype):
+    """Base i's output through the joined operand x' (`_joined`) and its weight in `dtype`."""
+    spare = 3 * b.shape[1]
+    w = base.operand(dtype, *((spare, 0) if i == 0 else (0, spare)))    # (N, K + spare), the spare ones unwritten
+    block = w[:, :spare] if i == 0 else w[:, w.shape[1] - spare:]
+    N, R = b.shape
+    _spread_kernel[(triton.cdiv(N, 64),)](b, block, N, R, b.stride(0), b.stride(1), block.stride(0), BN=64,
+                                          RP=_rank_tile(R), num_warps=4)
+    x = wide[:, :w.shape[1]] if i == 0 else wide[:, 3 * r0:]
+    with torch.autocast(wide.device.type, enabled=False):
+        return torch.mm(x, w.t()), (w[:, spare:] if i == 0 else w[:, :w.shape[1] - spare])
+
+
 def _operand_dtype(x: torch.Tensor) -> torch.dtype:
     """The dtype a frozen base multiplies x in: the autocast policy's, else x's own."""
     dev = x.device.type
@@ -266,11 +323,12 @@ class _AdaptedProjections(torch.autograd.Function):
 
     A base whose product is a plain matrix product hands over its weight in the operand dtype
     (`operand(dtype)`: a dense weight's cast, or a whole decoded NF4 weight); its output is
-    delta + x @ W^T, one cuBLAS GEMM onto expand's delta, and in backward the bases' input
-    gradients are one chain of products into one buffer (dx = du @ A, then dx += g_i @ W_i inside
-    each GEMM; with x in another dtype or another kind of base, du @ A is added last), so no pass
-    adds them. A weight is kept for backward when the base says so (`keeps_operand`: a cast, as
-    autograd would keep it; a decode under nf4_kernel="decoded_kept"), else made again there (a
+    delta + x @ W^T, one cuBLAS GEMM onto expand's delta or with the delta joined to it along K
+    (`_joined`), and in backward the bases' input gradients are one chain of products into one
+    buffer (dx = du @ A, then dx += g_i @ W_i inside each GEMM; with x in another dtype or another
+    kind of base, du @ A is added last), so no pass adds them. A weight is kept for backward when
+    the base says so (`keeps_operand`: a cast, as autograd would keep it; a decode under
+    nf4_kernel="decoded_kept", a joined one as its weight's columns), else made again there (a
     decode: one decoded matrix exists at a time). Any other base runs on a detached x, its
     autograd graph recorded when x needs a gradient, and its input gradient is added to the
     chain's; the graph's root keeps no data (a projection's backward reads its inputs only).
@@ -285,15 +343,21 @@ class _AdaptedProjections(torch.autograd.Function):
         xo = x2d.to(dtype)
         a = _stack(a_s, 0)                                        # (sum r_i, in)
         ctx.ranks = [t.shape[0] for t in a_s]
-        u = project(x2d, a, parts=_planes(x2d.shape[0], a.shape[0], x2d.device))   # (M, sum r_i) as BF16 parts
+        joined = _joined(bases, x2d, dtype, ctx.ranks)
+        u = project(x2d, a, parts=_planes(x2d.shape[0], a.shape[0], x2d.device), joined=joined)  # (M, sum r_i), BF16 parts
         outs, kept, ctx.graphs = [], [], []
-        for base, cols, b in zip(bases, _columns(ctx.ranks), b_s):
+        for i, (base, cols, b) in enumerate(zip(bases, _columns(ctx.ranks), b_s)):
             u_i = u[:, :, cols]
-            w = base.operand(dtype)
+            if joined is not None:
+                out, w = _joined_product(base, i, *joined, b, dtype)
+            else:
+                w = base.operand(dtype)
+                if w is not None:
+                    out = expand(u_i, b, None, dtype)             # the delta; the GEMM adds x @ W^T
+                    with torch.autocast(x2d.device.type, enabled=False):
+                        out.addmm_(xo, w.t())
             if w is not None:
-                out = expand(u_i, b, None, dtype)                 # the delta; the GEMM adds x @ W^T
-                with torch.autocast(x2d.device.type, enabled=False):
-                    outs.append(out.addmm_(xo, w.t()))
+                outs.append(out)
                 kept.append(w if track and base.keeps_operand else None)
                 ctx.graphs.append(None)
             else:

@@ -424,17 +424,18 @@ def _nf4_rows_kernel(ids, out, codes, absmax, acodes, ascales, aoffset, nf4cb, d
 
 
 @triton.jit
-def _nf4_decode_kernel(out, codes, absmax, acodes, ascales, aoffset, nf4cb, dyncb, N, K,
+def _nf4_decode_kernel(out, out_rows, codes, absmax, acodes, ascales, aoffset, nf4cb, dyncb, N, K,
                        BR: tl.constexpr, BC: tl.constexpr, FAST: tl.constexpr, DQ: tl.constexpr,
                        LUT: tl.constexpr):
-    """out (N, K) = W in out's dtype, one (BR, BC) tile per program (FAST: K % 64 == 0)."""
+    """out (N, K) = W in out's dtype (rows out_rows apart), one (BR, BC) tile per program (FAST:
+    K % 64 == 0)."""
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     col0 = tl.program_id(1) * BC
     cols = col0 + tl.arange(0, BC)
     r_mask = rows < N
     w = _decode_tile(codes, absmax, acodes, ascales, aoffset, nf4cb, dyncb, rows, r_mask, col0, K,
                      BR, BC, FAST, DQ, LUT, out.dtype.element_ty)
-    tl.store(out + rows.to(tl.int64)[:, None] * K + cols[None, :], w, mask=r_mask[:, None] & (cols < K)[None, :])
+    tl.store(out + rows.to(tl.int64)[:, None] * out_rows + cols[None, :], w, mask=r_mask[:, None] & (cols < K)[None, :])
 
 
 # ----------------------------------------------------------------------------- configs
@@ -621,18 +622,20 @@ def nf4_embedding(packed: DevicePacked, ids: torch.Tensor, lut: int = 0) -> torc
     return out.reshape(*ids.shape, K)
 
 
-def nf4_decode(packed: DevicePacked, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def nf4_decode(packed: DevicePacked, dtype: torch.dtype = torch.float32, left: int = 0, right: int = 0) -> torch.Tensor:
     """The whole (N, K) weight in `dtype` on the device: NF4Weight.dequantize() rounded once to
-    `dtype`, bit for bit (the matrix kernels' own tile decode, 16 x 256 elements a program)."""
+    `dtype`, bit for bit (the matrix kernels' own tile decode, 16 x 256 elements a program). With
+    `left` and `right`: (N, left + K + right), the weight in columns [left, left + K) and the
+    others left for the caller to write."""
     _check_packed(packed)
     if dtype not in FLOATS:
         raise ConfigError(f"dtype={dtype} is not one of float32, float16, bfloat16")
     N, K = packed.shape
-    out = torch.empty(N, K, device=packed.device, dtype=dtype)
+    out = torch.empty(N, left + K + right, device=packed.device, dtype=dtype)
     br, bc = 16, 256
-    _nf4_decode_kernel[(-(-N // br), -(-K // bc))](out, *packed._args(), N, K, BR=br, BC=bc, FAST=K % 64 == 0,
-                                                   DQ=packed.double_quant, LUT=1 if INTERPRETING else 3,
-                                                   num_warps=4, enable_fp_fusion=False)
+    _nf4_decode_kernel[(-(-N // br), -(-K // bc))](out[:, left:], out.stride(0), *packed._args(), N, K, BR=br, BC=bc,
+                                                   FAST=K % 64 == 0, DQ=packed.double_quant,
+                                                   LUT=1 if INTERPRETING else 3, num_warps=4, enable_fp_fusion=False)
     return out
 
 

@@ -8,11 +8,13 @@ from .fp32 import bf16_parts
 
 
 @triton.jit
-def _sum_splits_kernel(part, out, numel, cols, out_plane, out_rows, SPLIT: tl.constexpr, BLOCK: tl.constexpr,
-                       PARTS: tl.constexpr):
+def _sum_splits_kernel(part, out, numel, cols, out_plane, out_rows, joined, joined_rows, left, right,
+                       SPLIT: tl.constexpr, BLOCK: tl.constexpr, PARTS: tl.constexpr, JOINED: tl.constexpr):
     """The sum over s = 0, 1, .. SPLIT - 1 of part[s] (FP32, always in that order), written cast to
     out, or with PARTS as its BF16 parts hi, mid, lo in three planes of out, out_plane apart.
-    part[s] holds rows of `cols` elements; out takes them out_rows apart."""
+    part[s] holds rows of `cols` elements; out takes them out_rows apart. JOINED: the parts also
+    go to rows of `joined` (joined_rows apart) as hi, mid, hi in three blocks of their columns'
+    width: columns below `left` at 0, the others at `right` (`kernels.lora`'s joined operand)."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < numel
     ptr = part + offs
@@ -28,17 +30,27 @@ def _sum_splits_kernel(part, out, numel, cols, out_plane, out_rows, SPLIT: tl.co
         tl.store(at, hi, mask=mask)
         tl.store(at + out_plane, mid, mask=mask)
         tl.store(at + 2 * out_plane, lo, mask=mask)
+        if JOINED:
+            col = offs % cols
+            first = col < left
+            width = tl.where(first, left, cols - left)
+            at = joined + (offs // cols) * joined_rows + tl.where(first, col, right + col - left)
+            tl.store(at, hi, mask=mask)
+            tl.store(at + width, mid, mask=mask)
+            tl.store(at + 2 * width, hi, mask=mask)
     else:
         tl.store(at, acc.to(out.dtype.element_ty), mask=mask)
 
 
 def sum_splits(part: torch.Tensor, out: torch.Tensor | None = None,
-               parts: torch.Tensor | None = None) -> torch.Tensor:
+               parts: torch.Tensor | None = None, joined: tuple[torch.Tensor, int] | None = None) -> torch.Tensor:
     """part (S, ...) FP32 -> out (...) = part[0] + part[1] + ... in that order (FP32 sums), cast
     to out's dtype (FP32 when no out is given: a single part is returned as it is). With `parts`
     ((3, ...) BF16; for a 2-D sum, planes whose rows may have any stride, e.g. columns of wider
     planes) the sum is written there instead, as its exact BF16 parts (`fp32.bf16_parts`), and
-    parts is returned."""
+    parts is returned. With `joined` (x' BF16 (M, ...) with unit column stride, and `left`, for
+    a 2-D sum with parts): each row's parts also go to x''s row as hi, mid, hi in blocks of their
+    columns' width, the first `left` columns' at column 0 and the rest's at the end of x''s row."""
     if parts is not None:
         assert out is None and parts.dtype == torch.bfloat16 and parts.shape == (3, *part.shape[1:])
         out = parts
@@ -57,9 +69,15 @@ def sum_splits(part: torch.Tensor, out: torch.Tensor | None = None,
     else:
         assert plane.dim() == 2 and plane.stride(1) == 1
         rows = plane.stride(0)
+    if joined is not None:
+        assert parts is not None and joined[0].dtype == torch.bfloat16 and joined[0].stride(1) == 1
+        wide, left = joined
+        right = wide.shape[1] - 3 * (cols - left)
     if numel:
         block = min(1024, max(32, triton.next_power_of_2(triton.cdiv(numel, TARGET_PROGRAMS))))
         _sum_splits_kernel[(triton.cdiv(numel, block),)](
-            part, out, numel, cols, out.stride(0) if parts is not None else 0, rows, SPLIT=part.shape[0],
-            BLOCK=block, PARTS=parts is not None, num_warps=max(1, min(4, block // 128)), enable_fp_fusion=False)
+            part, out, numel, cols, out.stride(0) if parts is not None else 0, rows,
+            *((wide, wide.stride(0), left, right) if joined is not None else (out, 0, 0, 0)), SPLIT=part.shape[0],
+            BLOCK=block, PARTS=parts is not None, JOINED=joined is not None, num_warps=max(1, min(4, block // 128)),
+            enable_fp_fusion=False)
     return out

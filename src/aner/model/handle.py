@@ -198,7 +198,9 @@ class PretrainedModel:
         """The decoded weight alive at once: host tiles of 4 MiB, none inside the fused kernels'
         tiles, the largest matrix in the operand dtype for the decoded products, or with
         decoded_kept every matrix that is multiplied whole (all but an untied embedding, which is
-        only looked up): the forward keeps each for its backward, and the head is decoded last."""
+        only looked up): the forward keeps each for its backward, and the head is decoded last.
+        An adapted matrix counts 3 r columns more where the fused adapter kernels may join its
+        delta to its product (`kernels.lora._joined`: BF16, r a multiple of 8; every target)."""
         kernel = self._profile.nf4_kernel
         if self._storage == "float32" or kernel == "fused":
             return 0
@@ -206,7 +208,11 @@ class PretrainedModel:
             return 4 << 20
         itemsize = self._profile.compute_dtype.itemsize
         looked_up = "token_embd.weight" if "output.weight" in self._weights else None
-        sizes = [w.shape[0] * w.shape[1] * itemsize for n, w in self._weights.items()
+        method = self._method.config if self._method is not None else None
+        joins = method is not None and self._profile.adapter_kernel == "fused" \
+            and self._profile.compute_dtype == torch.bfloat16 and method.rank % 8 == 0
+        spare = {t: 3 * method.rank for t in method.targets} if joins else {}
+        sizes = [w.shape[0] * (w.shape[1] + spare.get(n, 0)) * itemsize for n, w in self._weights.items()
                  if not isinstance(w, torch.Tensor) and n != looked_up]
         return sum(sizes) if kernel == "decoded_kept" else max(sizes)
 
