@@ -295,7 +295,7 @@ def test_decoded_kernel_trains_what_a_dense_base_of_its_weights_trains(tiny_path
     assert all(torch.equal(a._adapter_tensors[k], b._adapter_tensors[k]) for k in a._adapter_tensors)
 
 
-def test_joined_deltas_train_as_the_deltas_added(tiny_factory, data, tmp_path, monkeypatch):
+def test_joined_deltas_train_as_the_deltas_added(tiny_factory, data, monkeypatch):
     """QLoRA as the throughput rows run it (nf4_kernel="decoded_kept", the fused adapter kernels,
     BF16, rank 8 on all seven projections), on a model whose gate and up are twice x's width:
     their deltas join the decoded products (`kernels.lora._joined`), the others' do not, and the
@@ -312,8 +312,12 @@ def test_joined_deltas_train_as_the_deltas_added(tiny_factory, data, tmp_path, m
     lora_kw = dict(rank=8, seed=1, targets=list(ALIASES))
     kw = dict(micro_batch=2, rate=1e-3, seed=4)
     joins, joined = [], lora._joined
-    monkeypatch.setattr(lora, "_joined", lambda bases, *a: joins.append((len(bases), joined(bases, *a) is not None))
-                        or joined(bases, *a))
+
+    def spy(bases, *args):
+        out = joined(bases, *args)
+        joins.append((len(bases), out is not None))
+        return out
+    monkeypatch.setattr(lora, "_joined", spy)
     src = packed.with_training_profile(nf4_kernel="decoded_kept", **profile).lora(**lora_kw)
     plain = packed.with_training_profile(nf4_kernel="decoded_kept", **profile).memory_summary()
     rows = sum(packed._weights[n].shape[0] for n in src._method.config.targets)

@@ -40,9 +40,9 @@ class NF4Module(nn.Module):
         self.decoded = decoded          # with a device copy: whole-matrix decode + cuBLAS
         # decoded_kept: the decoded operand is kept for backward, else made again there (one at a time)
         self.keeps_operand = decoded and kept
-        # decoded: each product's operand is made for it, so it can have columns to spare (an
+        # a decoded operand is made for each product, so it can have columns to spare (an
         # adapter's delta joined to the product, `kernels.lora`)
-        self.spare_columns = decoded
+        self.spare_columns = decoded and device_copy is not None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.device_copy is None:
