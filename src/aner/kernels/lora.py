@@ -300,15 +300,16 @@ def _joined(bases, x2d: torch.Tensor, dtype: torch.dtype, ranks) -> tuple[torch.
 
 def _joined_product(base, i: int, wide: torch.Tensor, r0: int, b: torch.Tensor, dtype: torch.dtype):
     """Base i's output through the joined operand x' (`_joined`) and its weight in `dtype`."""
-    spare = 3 * b.shape[1]
-    w = base.operand(dtype, *((spare, 0) if i == 0 else (0, spare)))    # (N, K + spare), the spare ones unwritten
-    block = w[:, :spare] if i == 0 else w[:, w.shape[1] - spare:]
     N, R = b.shape
+    left, right = (3 * R, 0) if i == 0 else (0, 3 * R)
+    w = base.operand(dtype, left, right)                 # (N, left + K + right), the spare columns unwritten
+    K = w.shape[1] - 3 * R
+    block = w[:, :left] if left else w[:, K:]
     _spread_kernel[(triton.cdiv(N, 64),)](b, block, N, R, b.stride(0), b.stride(1), block.stride(0), BN=64,
                                           RP=_rank_tile(R), num_warps=4)
-    x = wide[:, :w.shape[1]] if i == 0 else wide[:, 3 * r0:]
+    x = wide[:, :left + K] if left else wide[:, 3 * r0:]
     with torch.autocast(wide.device.type, enabled=False):
-        return torch.mm(x, w.t()), (w[:, spare:] if i == 0 else w[:, :w.shape[1] - spare])
+        return torch.mm(x, w.t()), w[:, left:left + K]
 
 
 def _operand_dtype(x: torch.Tensor) -> torch.dtype:
