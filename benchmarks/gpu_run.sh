@@ -18,6 +18,8 @@
 #                                                                     -> <date>-h200-cross-entropy.json
 #   joined      benchmarks/joined_delta.py (an adapter's delta joined to its base's GEMM along K against
 #               expand's delta added by the GEMM)                     -> <date>-h200-joined-delta.json
+#   bandwidth   benchmarks/adapter_bandwidth.py (project and reduce_tokens against cuBLAS on the same BF16
+#               parts and a plain read)                               -> <date>-h200-adapter-bandwidth.json
 #   joint       benchmarks/joint_gemms.py (a group's projections as one GEMM against one a weight) -> <date>-h200-joint-gemms.json
 #   overlap     benchmarks/overlap.py (AdamW and the clipping norm's squares on a second stream beside
 #               the GEMMs: whether they hide)                         -> <date>-h200-overlap.json
@@ -68,6 +70,8 @@ for stage in "$@"; do
              | tee "$OUT/attention-cudnn.log" ;;
     ce) python3 benchmarks/cross_entropy.py "$OUT/$day-h200-cross-entropy.json" ${OLD:+--old "$OLD"} 2>&1 \
           | tee "$OUT/cross-entropy.log" ;;
+    bandwidth) PYTHONPATH=$PYTHONPATH:$PWD/benchmarks python3 benchmarks/adapter_bandwidth.py \
+                 "$OUT/$day-h200-adapter-bandwidth.json" 2>&1 | tee "$OUT/adapter-bandwidth.log" ;;
     joined) PYTHONPATH=$PYTHONPATH:$PWD/benchmarks python3 benchmarks/joined_delta.py "$OUT/$day-h200-joined-delta.json" 2>&1 \
               | tee "$OUT/joined-delta.log" ;;
     joint) python3 benchmarks/joint_gemms.py "$OUT/$day-h200-joint-gemms.json" 2>&1 | tee "$OUT/joint-gemms.log" ;;
