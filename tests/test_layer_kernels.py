@@ -161,14 +161,16 @@ def test_rms_norm(D, lead, out_dtype, w_grad):
         assert wl.grad is None
 
 
+@pytest.mark.parametrize("w_grad", [True, False], ids=["w_grad", "frozen_w"])
 @pytest.mark.parametrize("stream_grad", [True, False], ids=["ds", "no_ds"])
 @pytest.mark.parametrize("y_dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("lead", [(37,), (3, 100)] + ([] if INTERPRET else [(4, 1024)]),
                          ids=lambda s: "x".join(map(str, s)))
-def test_add_rms_norm(lead, y_dtype, stream_grad):
+def test_add_rms_norm(lead, y_dtype, stream_grad, w_grad):
     """(norm(x + y), x + y) with the sum in FP32 (torch's promoted add, bit for bit); backward
     adds the gradient reaching the stream from elsewhere (none after the last norm) to the
-    norm's, and y's gradient is that sum rounded once to y's dtype."""
+    norm's, and y's gradient is that sum rounded once to y's dtype; with the weight frozen (as
+    LoRA's norms are), the same gradients from one tile of rows a program."""
     D, eps = 2048, 1e-5
     x = torch.randn(*lead, D, device=DEV) * 3
     y = torch.randn(*lead, D, device=DEV).to(y_dtype)
@@ -176,9 +178,9 @@ def test_add_rms_norm(lead, y_dtype, stream_grad):
     dout = torch.randn(*lead, D, device=DEV).to(torch.bfloat16 if not INTERPRET else torch.float16)
     ds = torch.randn(*lead, D, device=DEV) if stream_grad else None
     s_want = x + y
-    out64, dnorm64, dw64, dx_scale, dw_scale = rms_oracle(s_want, w, eps, dout, True)
+    out64, dnorm64, dw64, dx_scale, dw_scale = rms_oracle(s_want, w, eps, dout, w_grad)
 
-    xl, yl, wl = x.clone().requires_grad_(True), y.clone().requires_grad_(True), w.clone().requires_grad_(True)
+    xl, yl, wl = x.clone().requires_grad_(True), y.clone().requires_grad_(True), w.clone().requires_grad_(w_grad)
     out, s = add_rms_norm(xl, yl, wl, eps, dout.dtype)
     torch.autograd.backward([out, s] if stream_grad else [out], [dout, ds] if stream_grad else [dout])
 
@@ -189,7 +191,10 @@ def test_add_rms_norm(lead, y_dtype, stream_grad):
     bound = 1e-5 * (dx_scale + (ds.double().abs() if stream_grad else 0)) + 1e-30
     assert xl.grad.dtype == torch.float32 and ((xl.grad.double() - want).abs() <= bound).all()
     assert yl.grad.dtype == y_dtype and torch.equal(yl.grad, xl.grad.to(y_dtype))
-    assert ((wl.grad.double() - dw64).abs() <= 1e-5 * dw_scale + 1e-30).all()
+    if w_grad:
+        assert ((wl.grad.double() - dw64).abs() <= 1e-5 * dw_scale + 1e-30).all()
+    else:
+        assert wl.grad is None
 
 
 @pytest.mark.parametrize("rows", [300] if INTERPRET else [300, 8192])

@@ -213,10 +213,15 @@ def _warps(block: int) -> int:
     return 16 if block >= 8192 else 8 if block >= 2048 else 4
 
 
-def _backward_rows(M: int) -> tuple[int, int]:
-    """(rows per program, programs) of a norm backward over M rows: a power of two rows each, so
-    a run with many micro-batch shapes compiles a handful of variants (one per ROWS), not one per
-    row count; a fixed function of M."""
+def _backward_rows(M: int, step: int, has_dw: bool) -> tuple[int, int]:
+    """(rows per program, programs) of a norm backward over M rows loaded `step` at a time. With
+    the weight's gradient, each program sums its rows into one part: a power of two rows each for
+    about TARGET_PROGRAMS parts, so a run with many micro-batch shapes compiles a handful of
+    variants (one per ROWS), not one per row count. Without it (a frozen weight: LoRA, QLoRA), one
+    step a program: as many programs as tiles (8192 rows of 2048: 65 against 87 us, of 576: 21
+    against 28, of 4096: 127 against 143; `benchmarks/norm_kernels.py`). A fixed function of M."""
+    if not has_dw:
+        return step, max(1, triton.cdiv(M, step))
     per = triton.next_power_of_2(triton.cdiv(M, TARGET_PROGRAMS)) if M else 1
     return per, max(1, triton.cdiv(M, per))
 
@@ -252,14 +257,15 @@ class _RMSNorm(torch.autograd.Function):
         M, D = s.shape
         bd = triton.next_power_of_2(D)
         has_dw = ctx.needs_input_grad[2]
-        per, programs = _backward_rows(M)
+        step = _step_rows(bd)
+        per, programs = _backward_rows(M, step, has_dw)
         dx = torch.empty_like(s)
         dy = None if ctx.y_dtype is None else torch.empty(M, D, device=s.device, dtype=ctx.y_dtype)
         part = torch.empty(programs, D, device=s.device, dtype=torch.float32) if has_dw else None
         if M:
             _rms_backward_kernel[(programs,)](
                 dout.contiguous(), s, weight, r, s if ds is None else ds.contiguous(), dx, dx if dy is None else dy,
-                s if part is None else part, M, D, ROWS=per, STEP=min(per, _step_rows(bd)),
+                s if part is None else part, M, D, ROWS=per, STEP=min(per, step),
                 HAS_DS=ds is not None, HAS_DY=dy is not None, HAS_DW=has_dw, BD=bd, num_warps=_warps(bd))
         dw = None if part is None else sum_splits(part)
         return dx, dy, dw, None, None
