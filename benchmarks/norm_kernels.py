@@ -7,9 +7,10 @@ backward as training runs it after a residual add (the stream's gradient added, 
 written, the weight's parts summed) with 1, 2 and 4 rows loaded a step (`_step_rows` picks one),
 and `sum_splits` of those parts in blocks of 1024 elements (as before) against the blocks it
 picks now; with the weight frozen (no parts: LoRA, QLoRA), 1, 2 and 4 rows a step, each with one
-step a program (`_backward_rows` now) and with the rows a program takes for the parts (before). Every variant's dx and dy are checked against the one-row kernel's (equal
-bits; the weight gradient only within FP32 accuracy, since a tile sums its rows first) and the
-sums' bits against the old blocks'. Times are medians of replayed CUDA graphs (us).
+step a program (`_backward_rows` now) and with the rows a program takes for the parts (before).
+Every variant's dx and dy are checked against the one-row kernel's (equal bits; the weight
+gradient only within FP32 accuracy, since a tile sums its rows first) and the sums' bits against
+the old blocks'. Times are medians of replayed CUDA graphs (us).
 """
 import datetime
 import json

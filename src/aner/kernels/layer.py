@@ -218,8 +218,9 @@ def _backward_rows(M: int, step: int, has_dw: bool) -> tuple[int, int]:
     the weight's gradient, each program sums its rows into one part: a power of two rows each for
     about TARGET_PROGRAMS parts, so a run with many micro-batch shapes compiles a handful of
     variants (one per ROWS), not one per row count. Without it (a frozen weight: LoRA, QLoRA), one
-    step a program: as many programs as tiles (8192 rows of 2048: 65 against 87 us, of 576: 21
-    against 28, of 4096: 127 against 143; `benchmarks/norm_kernels.py`). A fixed function of M."""
+    step a program: as many programs as tiles (8192 rows of 2048: 65 against 85 us, of 576: 21
+    against 28, of 4096: 127 against 140; `benchmarks/norm_kernels.py`). A fixed function of the
+    shape and of whether the weight trains."""
     if not has_dw:
         return step, max(1, triton.cdiv(M, step))
     per = triton.next_power_of_2(triton.cdiv(M, TARGET_PROGRAMS)) if M else 1
