@@ -2,6 +2,7 @@
 
     PYTHONPATH=src python3 benchmarks/nf4_sass.py [M N K]      (default 8192 2048 2048, BF16)
     PYTHONPATH=src python3 benchmarks/nf4_sass.py --ws         (the warp-specialized kernels)
+    PYTHONPATH=src python3 benchmarks/nf4_sass.py --rs         (the forward with the register operand)
 
 Needs Triton (its wheel carries ptxas and cuobjdump), not a GPU. For the default configuration
 of both kernels at that shape and a few alternatives (BF16, then FP32 operands with and without
@@ -91,28 +92,42 @@ def loop_report(cubin: bytes) -> str:
     return f"regs {regs} stack {stack} | loop {opcodes(loop, 10)}"
 
 
-def ws_report(trans: bool, M=2048, N=4096, Kin=4096) -> str:
-    """The same for the warp-specialized kernel at its defaults: its partitions' registers, and the
-    innermost loop of the decode partitions (shared-memory stores) and of the MMA partition."""
+def gluon_compile(kernel, descs: dict, const: dict, options: dict, pointers: dict):
+    """The cubin of a Gluon kernel for sm_90a, its arguments typed as the launcher would."""
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import mangle_type
 
+    names = kernel.arg_names
+    signature = {**{k: mangle_type(d) for k, d in descs.items()}, **{k: "*" + v for k, v in pointers.items()},
+                 **{k: "i32" for k in names if k not in descs and k not in pointers and k not in const},
+                 **{k: "constexpr" for k in const}}
+    attrs = {(names.index(k),): [["tt.divisibility", 16]] for k in pointers}
+    src = GluonASTSource(kernel, signature, {(names.index(k),): v for k, v in const.items()}, attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def partitions(kernel) -> tuple[list[list[str]], str]:
+    """(every loop, the report's head: registers, stack, shared memory, the partitions' setmaxnreg)."""
+    regs, stack, loops, sass = disassemble(kernel.asm["cubin"])
+    part = sorted({int(v, 16) for v in re.findall(r"USETMAXREG\.\w+\.CTAPOOL (?:UP0, )?(0x[0-9a-f]+)", sass)})
+    return loops, f"regs {regs} stack {stack}, shared {kernel.metadata.shared} B, setmaxnreg {part}"
+
+
+POINTERS = {"absmax": "fp32", "acodes": "u8", "ascales": "fp32", "aoffset": "fp32", "dyncb": "fp32"}
+
+
+def ws_report(trans: bool, M=2048, N=4096, Kin=4096) -> str:
+    """The same for the warp-specialized kernel at its defaults: its partitions' registers, and the
+    innermost loop of the decode partitions (shared-memory stores) and of the MMA partition."""
     from aner.kernels import nf4_ws as W
 
     a = torch.empty(M, N if trans else Kin, dtype=torch.bfloat16)
     a_desc, c_desc, const, options = W.specialization(a, torch.empty(N, Kin // 64, 8, dtype=torch.int32), trans)
     const = dict(const, DQ=True, num_warps=options["num_warps"])
-    names = W._nf4_ws_kernel.arg_names
-    pointers = {"out": "bf16", "absmax": "fp32", "acodes": "u8", "ascales": "fp32", "aoffset": "fp32", "dyncb": "fp32"}
-    signature = {"a_desc": mangle_type(a_desc), "c_desc": mangle_type(c_desc),
-                 **{k: "*" + v for k, v in pointers.items()}, **{k: "i32" for k in ("M", "N", "K", "O", "steps")},
-                 **{k: "constexpr" for k in const}}
-    attrs = {(names.index(k),): [["tt.divisibility", 16]] for k in pointers}
-    src = GluonASTSource(W._nf4_ws_kernel, signature, {(names.index(k),): v for k, v in const.items()}, attrs)
-    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
-    regs, stack, loops, sass = disassemble(kernel.asm["cubin"])
-    part = sorted({int(v, 16) for v in re.findall(r"USETMAXREG\.\w+\.CTAPOOL (?:UP0, )?(0x[0-9a-f]+)", sass)})
-    out = [f"regs {regs} stack {stack}, shared {kernel.metadata.shared} B, setmaxnreg {part}"]
+    kernel = gluon_compile(W._nf4_ws_kernel, {"a_desc": a_desc, "c_desc": c_desc}, const, options,
+                           {"out": "bf16", **POINTERS})
+    loops, head = partitions(kernel)
+    out = [head]
     for kind, has, lacks in (("decode", "STS.128", "HGMMA"), ("mma", "HGMMA", "STS.128")):
         inner = [body for body in loops if any(has in b for b in body) and not any(lacks in b for b in body)]
         if inner:
@@ -120,10 +135,28 @@ def ws_report(trans: bool, M=2048, N=4096, Kin=4096) -> str:
     return " | ".join(out)
 
 
+def rs_report(M=2048, N=4096, Kin=4096) -> str:
+    """The same for the forward with the weight as the MMA's register operand: the registers, and
+    the loop of a warpgroup (the decode and the MMA of one step)."""
+    from aner.kernels import nf4_rs as R
+
+    x_desc, c_desc, o_desc, const, options = R.specialization(
+        torch.empty(M, Kin, dtype=torch.bfloat16), torch.empty(N, Kin // 8, dtype=torch.int32),
+        torch.empty(M, N, dtype=torch.bfloat16))
+    kernel = gluon_compile(R._nf4_rs_kernel, {"x_desc": x_desc, "c_desc": c_desc, "o_desc": o_desc},
+                           dict(const, DQ=True), options, {"nf4cb": "fp32", **POINTERS})
+    loops, head = partitions(kernel)
+    inner = min((body for body in loops if any("HGMMA" in b for b in body)), key=len)
+    return f"{head} | warpgroup loop {opcodes(inner, 10)}"
+
+
 def main():
     if sys.argv[1:] == ["--ws"]:
         for trans in (False, True):
             print("input grad" if trans else "forward", ws_report(trans), flush=True)
+        return
+    if sys.argv[1:] == ["--rs"]:
+        print("forward, register operand", rs_report(), flush=True)
         return
     M, N, Kin = map(int, sys.argv[1:4]) if len(sys.argv) > 3 else (8192, 2048, 2048)
     for op in ("matmul", "matmul_t"):

@@ -22,15 +22,27 @@ VARIANTS = [(256, 4, 72, (4, 4, 8), False, None), (256, 4, 72, (4, 4, 8), False,
 PROBLEMS = [(4096, 4096, 2048), (4096, 4096, 8192), (8192, 2048, 8192), (2048, 8192, 8192)]   # N, K, tokens
 
 
+def packed(N, Kin):
+    """A double-quantized NF4 weight of 0.02-scaled normal values on the GPU, and it decoded in float64."""
+    w = NF4Weight.quantize(torch.randn(N, Kin) * 0.02, double_quant=True)
+    return K.DevicePacked.from_weight(w, "cuda"), w.dequantize().to("cuda", torch.float64)
+
+
+def bench(fn) -> float:
+    """do_bench's median, microseconds."""
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3
+
+
+def clocks_up():
+    """The clocks up before the first row."""
+    warm = torch.randn(8192, 8192, device="cuda").bfloat16()
+    triton.testing.do_bench(lambda: warm @ warm, warmup=300, rep=300)
+
+
 def run_variant(v):
     bm, dw, dregs, stages, skip, programs = VARIANTS[v]
     kw = dict(bm=bm, dw=dw, dregs=dregs, stages=stages, skip=skip, programs=programs)
     torch.manual_seed(0)
-
-    def packed(N, Kin):
-        w = NF4Weight.quantize(torch.randn(N, Kin) * 0.02, double_quant=True)
-        return K.DevicePacked.from_weight(w, "cuda"), w.dequantize().to("cuda", torch.float64)
-
     row = {"bm": bm, "programs": programs or "one a tile", "decode_warps": dw, "decode_registers": dregs,
            "stages": stages, "skip_decode": skip, "checks": {}, "problems": []}
     if not skip:        # against float64 (BF16 bound of tests/test_kernels.py), and twice the same bits
@@ -43,9 +55,7 @@ def run_variant(v):
                 ok = bool(((y.double() - want).abs() <= 1e-2 * scale).all()) \
                     and torch.equal(y, nf4_ws_matmul(a, p, trans, **kw))
                 row["checks"][f"{N}x{Kin}x{M}{'-input-grad' if trans else ''}"] = ok
-    bench = lambda fn: triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3
-    warm = torch.randn(8192, 8192, device="cuda").bfloat16()
-    triton.testing.do_bench(lambda: warm @ warm, warmup=300, rep=300)      # the clocks up before the first row
+    clocks_up()
     for N, Kin, M in PROBLEMS:
         p, Wd = packed(N, Kin)
         wd = Wd.bfloat16()
@@ -65,20 +75,22 @@ def run_variant(v):
     return row
 
 
-def main():
+def main(script=__file__, variants=VARIANTS, run=run_variant, timeout=120):
+    """`script out.json`: every variant in a process of its own (one that hangs is cut and
+    recorded), the rows to out.json; `script --variant V`: variant V's row to stdout."""
     if sys.argv[1] == "--variant":
-        print(json.dumps(run_variant(int(sys.argv[2]))))
+        print(json.dumps(run(int(sys.argv[2]))))
         return
     rows = []
-    for v in range(len(VARIANTS)):      # one process each: a variant that hangs is cut and recorded
+    for v in range(len(variants)):
         try:
-            done = subprocess.run([sys.executable, __file__, "--variant", str(v)], capture_output=True, text=True,
-                                  timeout=120)
-            sys.stderr.write(done.stderr[-2000:])
+            done = subprocess.run([sys.executable, script, "--variant", str(v)], capture_output=True, text=True,
+                                  timeout=timeout)
+            sys.stderr.write(done.stderr[-3000:])
             rows.append(json.loads(done.stdout) if done.returncode == 0
-                        else {"variant": VARIANTS[v], "error": done.stderr[-500:]})
+                        else {"variant": variants[v], "error": done.stderr[-1500:]})
         except subprocess.TimeoutExpired:
-            rows.append({"variant": VARIANTS[v], "error": "timed out after 120 s"})
+            rows.append({"variant": variants[v], "error": f"timed out after {timeout} s"})
     with open(sys.argv[1], "w") as f:
         json.dump({"device": torch.cuda.get_device_name(), "variants": rows}, f, indent=1)
 

@@ -237,20 +237,23 @@ HOPPER = not INTERPRET and torch.cuda.is_available() and torch.cuda.get_device_c
                                      ((136, 4096), 8192), ((49152, 576), 1000)],
                          ids=lambda s: f"{s[0][0]}x{s[0][1]}-M{s[1]}")
 def test_warp_specialized_products(shape_m, double_quant, dtype):
-    """The default products where nf4_ws takes them: tiles partial along every dimension, one
-    step (K = 64) and an odd number of steps (N = 136 backward), several tiles a program."""
-    from aner.kernels import nf4_ws
+    """The default products where the Gluon kernels take them (nf4_rs forward, nf4_ws input
+    gradient): tiles partial along every dimension, one step (K = 64) and an odd number of steps
+    (N = 136 backward), several tiles a program."""
+    from aner.kernels import nf4_rs, nf4_ws
     (N, Kin), M = shape_m
     _, p, W = packed((N, Kin), double_quant)
     x, g = randn(M, Kin, dtype=dtype), randn(M, N, dtype=dtype)
-    taken = [nf4_ws.supported(x, p, False), nf4_ws.supported(g, p, True)]
+    taken = [nf4_rs.supported(x, p), nf4_ws.supported(g, p, True)]
     assert any(taken)
     if taken[0]:
         poison(M, N, dtype=dtype)
         y = K.nf4_matmul(x, p)
         check_close(y, x.double() @ W.t(), x.double().abs() @ W.abs().t(), dtype, x)
         assert torch.equal(y, K.nf4_matmul(x, p))
-        # a persistent grid (several tiles a program) sums every output in the same order
+        # one tile a program, and the other kernel's persistent grid: every output summed in the
+        # same order, to the same bits
+        assert torch.equal(y, nf4_rs.nf4_rs_matmul(x, p, programs=None))
         assert torch.equal(y, nf4_ws.nf4_ws_matmul(x, p, False, programs=K.MULTIPROCESSORS))
     if taken[1]:
         poison(M, Kin, dtype=dtype)

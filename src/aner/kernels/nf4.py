@@ -21,8 +21,10 @@ Numerics (identical to NF4Weight.dequantize(), bit for bit):
 
 The fused products (`nf4_matmul`, `nf4_matmul_t`) hold the decoded weight only as a tile in
 registers/shared memory inside a matmul program: there is no dense copy of W on the device. With
-no TileConfig given, a Hopper GPU runs the large FP16/BF16 ones through the warp-specialized
-kernels of `nf4_ws.py` (the decode in warps of its own beside the MMA's; `nf4_ws.supported`). The
+no TileConfig given, a Hopper GPU runs the large FP16/BF16 ones through Gluon kernels: the forward
+through `nf4_rs.py` (the MMA warps decode into the MMA's register operand; `nf4_rs.supported`),
+the input gradient, and a forward with N % 8 != 0, through the warp-specialized kernels of
+`nf4_ws.py` (the decode in warps of its own beside the MMA's; `nf4_ws.supported`). The
 decoded products (`fused_nf4_linear(..., decoded=True)`, the profile's nf4_kernel="decoded")
 decode the whole W with `nf4_decode` into a transient buffer of the operand dtype, multiply it
 with cuBLAS and free it; backward decodes it again (nf4_kernel="decoded_kept": the forward's is
@@ -549,7 +551,9 @@ def _launch_matmul(kernel, a, packed, M, R, Q, out_cols, config, op):
     """Shared launcher: a (M, R) @ (weight or its transpose) -> (M, out_cols), R reduced."""
     N, K = packed.shape
     if config is None and M and a.is_cuda:
-        from . import nf4_ws        # Gluon (Triton's lower-level language): imported where it may run
+        from . import nf4_rs, nf4_ws    # Gluon (Triton's lower-level language): imported where it may run
+        if op == "matmul" and nf4_rs.supported(a, packed):
+            return nf4_rs.nf4_rs_matmul(a, packed)
         if nf4_ws.supported(a, packed, op == "matmul_t"):
             return nf4_ws.nf4_ws_matmul(a, packed, op == "matmul_t")
     cfg = config or default_config(op, M, N, K, a.dtype)

@@ -1,0 +1,55 @@
+"""The fused NF4 forward with the weight as the MMA's register operand (`aner.kernels.nf4_rs`) in
+variants, against dense cuBLAS and the warp-specialized kernel of `nf4_ws` (its defaults), each
+variant in its own process (`nf4_ws.main`): checks against float64 at the BF16
+bound of tests/test_kernels.py, twice the same bits, the bits of `nf4_ws`; then do_bench medians.
+
+    python benchmarks/nf4_rs.py results/<date>-h200-nf4-rs.json     (GPU machine, ~60 s)
+"""
+import sys
+
+import torch
+
+from aner.kernels import nf4 as K
+from aner.kernels.nf4_rs import nf4_rs_matmul
+from aner.kernels.nf4_ws import nf4_ws_matmul
+
+import nf4_ws           # benchmarks/nf4_ws.py: the runner of variants in processes of their own
+
+# (ring depth, skip the decode, programs: None = one a tile); the first is the default
+VARIANTS = [(4, False, K.MULTIPROCESSORS), (4, False, None), (3, False, K.MULTIPROCESSORS), (4, True, K.MULTIPROCESSORS)]
+PROBLEMS = [(4096, 4096, 2048), (4096, 4096, 8192), (8192, 2048, 8192), (2048, 8192, 8192)]   # N, K, tokens
+
+
+def run_variant(v):
+    stages, skip, programs = VARIANTS[v]
+    kw = dict(stages=stages, skip=skip, programs=programs)
+    torch.manual_seed(0)
+    row = {"stages": stages, "skip_decode": skip, "programs": programs or "one a tile",
+           "checks": {}, "problems": []}
+    if not skip:
+        for N, Kin, M in [(1000, 576, 300), (4096, 4096, 2048), (2048, 64, 4096), (136, 4096, 8192)]:
+            p, Wd = nf4_ws.packed(N, Kin)
+            x = torch.randn(M, Kin, device="cuda").bfloat16()
+            want, scale = x.double() @ Wd.t(), x.double().abs() @ Wd.abs().t()
+            y = nf4_rs_matmul(x, p, **kw)
+            row["checks"][f"{N}x{Kin}x{M}"] = {
+                "bound": bool(((y.double() - want).abs() <= 1e-2 * scale).all()),
+                "max_err_over_scale": float(((y.double() - want).abs() / scale.clamp_min(1e-30)).max()),
+                "same_bits_twice": torch.equal(y, nf4_rs_matmul(x, p, **kw)),
+                "bits_of_ws": torch.equal(y, nf4_ws_matmul(x, p, False))}
+    nf4_ws.clocks_up()
+    for N, Kin, M in PROBLEMS:
+        p, Wd = nf4_ws.packed(N, Kin)
+        wd = Wd.bfloat16()
+        x = torch.randn(M, Kin, device="cuda").bfloat16()
+        t = {"dense": nf4_ws.bench(lambda: x @ wd.t()), "ws": nf4_ws.bench(lambda: nf4_ws_matmul(x, p, False)),
+             "rs": nf4_ws.bench(lambda: nf4_rs_matmul(x, p, **kw))}
+        row["problems"].append({"N": N, "K": Kin, "tokens": M, "us": t, "ws_vs_dense": t["ws"] / t["dense"],
+                                "rs_vs_dense": t["rs"] / t["dense"]})
+        print(VARIANTS[v], f"N{N} K{Kin} M{M}: dense {t['dense']:.1f} us, ws {t['ws'] / t['dense']:.3f}x,"
+              f" rs {t['rs'] / t['dense']:.3f}x", file=sys.stderr, flush=True)
+    return row
+
+
+if __name__ == "__main__":
+    nf4_ws.main(__file__, VARIANTS, run_variant, timeout=150)

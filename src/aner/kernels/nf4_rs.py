@@ -1,0 +1,202 @@
+"""The fused NF4 forward for Hopper with the weight as the MMA's register operand (Gluon).
+
+`nf4_ws` decodes a weight tile into shared memory in warps of its own and hands it to MMA warps
+that wait for it. Here each warpgroup of MMA warps decodes its own rows straight into the
+registers that the warpgroup MMA takes as its first operand: no decoded tile in shared memory, no
+handoff, no decode warps. The first operand being the weight, a program makes tiles of y^T,
+128 output features x 256 tokens, one NF4 block of every row a step:
+
+    y^T (N, M) = W (N, K) @ x^T (K, M)        stored transposed by TMA, so y (M, N) = x @ W^T
+
+    MMA x2    4 warps  64 rows of the tile each: decode the step's rows into the operand
+                       registers, MMA (FP32 accumulation), wait for it, free the ring slot
+    loader    1 warp   a TMA ring of the activation tiles and the code words
+
+An MMA's operand registers may not be written until it has finished, so a warpgroup waits for
+its MMA before decoding the next step; the two warpgroups are separate partitions, so one decodes
+while the other's MMA runs. A thread of the operand layout holds, of each of its two rows and
+each 16 columns, columns 2t, 2t + 1, 2t + 8, 2t + 9 (t = lane % 4): byte t of each of the row's 8
+code words. A code's value comes from the lane of its number (lane l holds codebook entry l % 16;
+`_shuffle_lookup_asm`), is multiplied by the block's absmax in FP32 and rounded to the operand
+dtype: the operand bits are `NF4Weight.dequantize()` rounded, as in every other NF4 kernel, and
+each output is summed in ascending steps by one program, so the bits equal `nf4_ws`'s and the
+same inputs give the same bits on every run. `supported()` says where it applies.
+"""
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                              warpgroup_mma_wait)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from .nf4 import MULTIPROCESSORS
+from .nf4_ws import _absmax, _tile
+
+BF = 128            # output features a tile: two warpgroups of 64 rows
+BT = 256            # tokens a tile
+STEP = gl.constexpr(64)
+GROUP_M = 8
+
+
+def _shuffle_lookup_asm(cvt: str) -> str:
+    """PTX for four code words of one row ($4, $6, $8, $10), the lane's byte t ($12), the row's
+    block absmax ($20) and the lane's codebook entry ($28: lane l holds code l % 16's value) ->
+    the two values of byte t of each word: $i = (its high nibble's, its low nibble's) of word i, a
+    pair of 16-bit floats as the MMA's operand registers hold them (byte k holds element 2k in its
+    high nibble). A value is read from the lane of its code by a shuffle within each half-warp,
+    which takes the low 4 bits of the index; then absmax times it in FP32, rounded by `cvt`."""
+    lines = [".reg .b32 sh, lo, hi;", ".reg .f32 vl, vh;", "shl.b32 sh, $12, 3;"]
+    for i in range(4):
+        lines += [f"shr.b32 lo, ${4 + 2 * i}, sh;", "shr.b32 hi, lo, 4;",
+                  "shfl.sync.idx.b32 vl, $28, lo, 0x100f, -1;", "shfl.sync.idx.b32 vh, $28, hi, 0x100f, -1;",
+                  "mul.rn.f32 vl, vl, $20;", "mul.rn.f32 vh, vh, $20;", f"{cvt} ${i}, vl, vh;"]
+    return "{\n" + "\n".join(lines) + "\n}"
+
+
+_LOOKUP_BF16 = gl.constexpr(_shuffle_lookup_asm("cvt.rn.bf16x2.f32"))
+_LOOKUP_F16 = gl.constexpr(_shuffle_lookup_asm("cvt.rn.f16x2.f32"))
+_LOOKUP_IO = gl.constexpr("=r," * 4 + ",".join(["r"] * 40))     # 8 elements a call: 5 inputs of 8
+
+
+@gluon.jit
+def _loads(x_desc, c_desc, x_bufs, c_bufs, ready, empty, M, N, steps, GROUP: gl.constexpr):
+    """The loader warp: every step's activation tile and code words into the ring."""
+    S: gl.constexpr = x_bufs.type.shape[0]
+    BTc: gl.constexpr = x_desc.block_type.shape[0]
+    BFc: gl.constexpr = c_desc.block_type.shape[0]
+    h = 0
+    for t in range(gl.program_id(0), gl.cdiv(M, BTc) * gl.cdiv(N, BFc), gl.num_programs(0)):
+        off_m, off_n = _tile(t, M, N, BTc, BFc, GROUP)
+        for i in range(steps):
+            s = h % S
+            mbarrier.wait(empty.index(s), ((h // S) & 1) ^ 1)
+            mbarrier.expect(ready.index(s), x_desc.block_type.nbytes + c_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(x_desc, [off_m, i * STEP], ready.index(s), x_bufs.index(s))
+            tma.async_copy_global_to_shared(c_desc, [off_n, i * 8], ready.index(s), c_bufs.index(s))
+            h += 1
+
+
+@gluon.jit
+def _multiply(x_bufs, c_bufs, ready, empty, o_desc, o_buf, absmax, acodes, ascales, aoffset, nf4cb, dyncb, M, N, K,
+              steps, GROUP: gl.constexpr, DQ: gl.constexpr, SKIP: gl.constexpr, ROW0: gl.constexpr):
+    """A warpgroup: rows ROW0 .. ROW0 + 63 of every tile of the program."""
+    S: gl.constexpr = x_bufs.type.shape[0]
+    BTc: gl.constexpr = x_bufs.type.shape[1]
+    BFc: gl.constexpr = c_bufs.type.shape[1]
+    R: gl.constexpr = 64
+    gl.static_assert(gl.num_warps() == 4)
+    acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BTc, 16])
+    a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_l, k_width=2)
+    # (row, word, t, e), column 8 word + 2 t + e of the row's block: the operand layout's lanes and
+    # warps, its registers in another order (a conversion without moves)
+    w4: gl.constexpr = gl.DistributedLinearLayout(
+        reg_bases=[[0, 0, 0, 1], [0, 1, 0, 0], [0, 2, 0, 0], [0, 4, 0, 0], [8, 0, 0, 0]],
+        lane_bases=[[0, 0, 1, 0], [0, 0, 2, 0], [1, 0, 0, 0], [2, 0, 0, 0], [4, 0, 0, 0]],
+        warp_bases=[[16, 0, 0, 0], [32, 0, 0, 0]], block_bases=[], shape=[R, 8, 4, 2])
+    w3: gl.constexpr = gl.SliceLayout(3, w4)
+    words_l: gl.constexpr = gl.SliceLayout(2, w3)
+    t = gl.expand_dims(gl.expand_dims(gl.expand_dims(
+        gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(0, w3))), 0), 0), 3)          # (1, 1, 4, 1)
+    e = gl.expand_dims(gl.expand_dims(gl.expand_dims(
+        gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, w4)))), 0), 0), 0)
+    r = ROW0 + gl.arange(0, R, layout=gl.SliceLayout(1, words_l))
+    # lane l = t + 4 (row % 8) holds codebook entry l % 16
+    cb = gl.load(nf4cb + t + 4 * gl.expand_dims(gl.expand_dims(gl.expand_dims(r % 4, 1), 2), 3))
+    KB = K // 64
+    h = 0
+    for tile in range(gl.program_id(0), gl.cdiv(M, BTc) * gl.cdiv(N, BFc), gl.num_programs(0)):
+        off_m, off_n = _tile(tile, M, N, BTc, BFc, GROUP)
+        rows = off_n + r
+        blk = rows.to(gl.int64) * KB
+        am_next = _absmax(blk, rows < N, absmax, acodes, ascales, aoffset, dyncb, DQ)    # a step ahead
+        acc = gl.zeros((R, BTc), dtype=gl.float32, layout=acc_l)
+        for i in range(steps):
+            am = gl.expand_dims(gl.expand_dims(gl.expand_dims(am_next, 1), 2), 3)
+            am_next = _absmax(blk + i + 1, (rows < N) & (i + 1 < steps), absmax, acodes, ascales, aoffset, dyncb,
+                              DQ)
+            s = h % S
+            mbarrier.wait(ready.index(s), (h // S) & 1)
+            words = gl.expand_dims(gl.expand_dims(c_bufs.index(s).slice(ROW0, R).load(words_l), 2), 3)
+            if SKIP:
+                v = (words + t + e).to(x_bufs.dtype)
+            elif x_bufs.dtype == gl.bfloat16:
+                v = gl.inline_asm_elementwise(_LOOKUP_BF16, _LOOKUP_IO, [words, t, am, cb, e], dtype=gl.bfloat16,
+                                              is_pure=True, pack=8)
+            else:
+                v = gl.inline_asm_elementwise(_LOOKUP_F16, _LOOKUP_IO, [words, t, am, cb, e], dtype=gl.float16,
+                                              is_pure=True, pack=8)
+            a = gl.convert_layout(gl.reshape(v, [R, STEP]), a_l, assert_trivial=True)
+            acc = warpgroup_mma(a, x_bufs.index(s).permute((1, 0)), acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            mbarrier.arrive(empty.index(s))
+            h += 1
+        # the tile transposed through shared memory, stored by TMA while the next tile runs
+        tma.store_wait(0)
+        o_buf.store(gl.permute(acc.to(o_buf.dtype), (1, 0)))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(o_desc, [off_m, off_n + ROW0], o_buf)
+    tma.store_wait(0)
+
+
+@gluon.jit
+def _nf4_rs_kernel(x_desc, c_desc, o_desc, absmax, acodes, ascales, aoffset, nf4cb, dyncb, M, N, K, steps,
+                   DQ: gl.constexpr, GROUP: gl.constexpr, S: gl.constexpr, SKIP: gl.constexpr):
+    """y = x @ W^T; a program walks the tiles pid, pid + programs, ..., its steps numbered across them."""
+    x_bufs = gl.allocate_shared_memory(x_desc.dtype, [S] + x_desc.block_type.shape, x_desc.layout)
+    c_bufs = gl.allocate_shared_memory(c_desc.dtype, [S] + c_desc.block_type.shape, c_desc.layout)
+    o_bufs = gl.allocate_shared_memory(o_desc.dtype, [2] + o_desc.block_type.shape, o_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [S, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [S, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(S):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=2)            # both warpgroups read a slot
+    gl.warp_specialize([
+        (_multiply, (x_bufs, c_bufs, ready, empty, o_desc, o_bufs.index(0), absmax, acodes, ascales, aoffset, nf4cb,
+                     dyncb, M, N, K, steps, GROUP, DQ, SKIP, 0)),
+        (_multiply, (x_bufs, c_bufs, ready, empty, o_desc, o_bufs.index(1), absmax, acodes, ascales, aoffset, nf4cb,
+                     dyncb, M, N, K, steps, GROUP, DQ, SKIP, 64)),
+        (_loads, (x_desc, c_desc, x_bufs, c_bufs, ready, empty, M, N, steps, GROUP)),
+    ], [4, 1], [232, 40])
+
+
+_GL = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
+
+
+def supported(x: torch.Tensor, packed) -> bool:
+    """Whether the kernel takes x @ W^T: a Hopper GPU, FP16/BF16, whole NF4 blocks in every row,
+    TMA-aligned rows of x and of y (N % 8 == 0), and at least a wave of tiles (fewer tokens go to
+    the Triton kernels' split of the reduced dimension)."""
+    N, K = packed.shape
+    return (x.is_cuda and x.dtype in _GL and torch.cuda.get_device_capability(x.device)[0] == 9
+            and K % 64 == 0 and N % 8 == 0 and x.data_ptr() % 16 == 0
+            and -(-x.shape[0] // BT) * -(-N // BF) >= MULTIPROCESSORS)
+
+
+def specialization(x, words, out, stages=4, skip=False):
+    """TMA descriptors of x (M, K), the (N, K / 8) int32 code words and y (M, N), the kernel's
+    compile-time constants (but DQ) and its launch options. Host tensors give what a compile-only
+    report needs."""
+    dt = _GL[x.dtype]
+    x_desc = TensorDescriptor.from_tensor(x, [BT, 64], gl.NVMMASharedLayout.get_default_for([BT, 64], dt))
+    c_desc = TensorDescriptor.from_tensor(words, [BF, 8], gl.NVMMASharedLayout.get_default_for([BF, 8], gl.int32))
+    o_desc = TensorDescriptor.from_tensor(out, [BT, 64], gl.NVMMASharedLayout.get_default_for([BT, 64], dt))
+    const = dict(GROUP=GROUP_M, S=stages, SKIP=skip)
+    # 4 + 4 + 1 warps, the loader's padded to 4: 12 warps' registers at launch, then 232 / 232 / 40
+    options = dict(num_warps=4, maxnreg=65536 // (32 * 12) // 8 * 8, enable_fp_fusion=False)
+    return x_desc, c_desc, o_desc, const, options
+
+
+def nf4_rs_matmul(x, packed, programs=MULTIPROCESSORS, **tiles):
+    """x (M, K) @ W^T in x's dtype (`tiles`: `specialization`'s), with `programs` programs, each
+    walking every programs-th tile (None: one a tile; the same bits)."""
+    N, K = packed.shape
+    M = x.shape[0]
+    out = torch.empty(M, N, device=x.device, dtype=x.dtype)
+    words = packed.codes.view(torch.int32).view(N, K // 8)
+    x_desc, c_desc, o_desc, const, options = specialization(x, words, out, **tiles)
+    count = -(-M // BT) * -(-N // BF)
+    _, absmax, acodes, ascales, aoffset, nf4cb, dyncb = packed._args()
+    _nf4_rs_kernel[(min(count, programs or count),)](
+        x_desc, c_desc, o_desc, absmax, acodes, ascales, aoffset, nf4cb, dyncb, M, N, K, K // STEP,
+        DQ=packed.double_quant, **const, **options)
+    return out
