@@ -106,8 +106,9 @@ def gluon_compile(kernel, descs: dict, const: dict, options: dict, pointers: dic
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 
-def partitions(kernel) -> tuple[list[list[str]], str]:
-    """(every loop, the report's head: registers, stack, shared memory, the partitions' setmaxnreg)."""
+def loops_and_head(kernel) -> tuple[list[list[str]], str]:
+    """(every loop of its SASS, the report's head: registers, stack, shared memory, the partitions'
+    setmaxnreg)."""
     regs, stack, loops, sass = disassemble(kernel.asm["cubin"])
     part = sorted({int(v, 16) for v in re.findall(r"USETMAXREG\.\w+\.CTAPOOL (?:UP0, )?(0x[0-9a-f]+)", sass)})
     return loops, f"regs {regs} stack {stack}, shared {kernel.metadata.shared} B, setmaxnreg {part}"
@@ -126,7 +127,7 @@ def ws_report(trans: bool, M=2048, N=4096, Kin=4096) -> str:
     const = dict(const, DQ=True, num_warps=options["num_warps"])
     kernel = gluon_compile(W._nf4_ws_kernel, {"a_desc": a_desc, "c_desc": c_desc}, const, options,
                            {"out": "bf16", **POINTERS})
-    loops, head = partitions(kernel)
+    loops, head = loops_and_head(kernel)
     out = [head]
     for kind, has, lacks in (("decode", "STS.128", "HGMMA"), ("mma", "HGMMA", "STS.128")):
         inner = [body for body in loops if any(has in b for b in body) and not any(lacks in b for b in body)]
@@ -145,7 +146,7 @@ def rs_report(M=2048, N=4096, Kin=4096) -> str:
         torch.empty(M, N, dtype=torch.bfloat16))
     kernel = gluon_compile(R._nf4_rs_kernel, {"x_desc": x_desc, "c_desc": c_desc, "o_desc": o_desc},
                            dict(const, DQ=True), options, {"nf4cb": "fp32", **POINTERS})
-    loops, head = partitions(kernel)
+    loops, head = loops_and_head(kernel)
     inner = min((body for body in loops if any("HGMMA" in b for b in body)), key=len)
     return f"{head} | warpgroup loop {opcodes(inner, 10)}"
 

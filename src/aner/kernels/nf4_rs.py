@@ -65,8 +65,8 @@ def _loads(x_desc, c_desc, x_bufs, c_bufs, ready, empty, M, N, steps, GROUP: gl.
     BTc: gl.constexpr = x_desc.block_type.shape[0]
     BFc: gl.constexpr = c_desc.block_type.shape[0]
     h = 0
-    for t in range(gl.program_id(0), gl.cdiv(M, BTc) * gl.cdiv(N, BFc), gl.num_programs(0)):
-        off_m, off_n = _tile(t, M, N, BTc, BFc, GROUP)
+    for tile in range(gl.program_id(0), gl.cdiv(M, BTc) * gl.cdiv(N, BFc), gl.num_programs(0)):
+        off_m, off_n = _tile(tile, M, N, BTc, BFc, GROUP)
         for i in range(steps):
             s = h % S
             mbarrier.wait(empty.index(s), ((h // S) & 1) ^ 1)
