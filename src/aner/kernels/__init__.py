@@ -5,6 +5,13 @@ FLOATS = (torch.float32, torch.float16, torch.bfloat16)    # the operand dtypes 
 TARGET_PROGRAMS = 264    # what a launch splitting its work aims at: two programs a multiprocessor (H200)
 
 
+def joins_deltas(dtype: torch.dtype, ranks) -> bool:
+    """Whether adapters' deltas of these ranks, in `dtype`, may join their bases' products along K
+    (`lora._joined`, which also asks their widths and bases): BF16, and every rank a multiple of 8
+    (each block of columns 16-byte aligned). Triton-free, for the memory estimate too."""
+    return dtype == torch.bfloat16 and all(r % 8 == 0 for r in ranks)
+
+
 def fused_available() -> bool:
     """True when the fused NF4 kernels (aner.kernels.nf4) can run: a CUDA device and Triton.
 

@@ -42,7 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import TARGET_PROGRAMS
+from . import TARGET_PROGRAMS, joins_deltas
 from .fp32 import bf16_parts, fp32_dot, parts_dot, six_dot
 from .splits import sum_splits
 
@@ -290,7 +290,7 @@ def _joined(bases, x2d: torch.Tensor, dtype: torch.dtype, ranks) -> tuple[torch.
     and outputs at least 4x as wide as x (gate and up): there the delta's write and read outweigh
     x's copy and the 3 r more columns of each product; at q, k, v, o and down they do not
     (`benchmarks/joined_delta.py`)."""
-    if dtype != torch.bfloat16 or x2d.dtype != dtype or len(bases) > 2 or any(r % 8 for r in ranks) \
+    if not joins_deltas(dtype, ranks) or x2d.dtype != dtype or len(bases) > 2 \
             or not all(getattr(base, "spare_columns", False) for base in bases) \
             or sum(base.weight.shape[0] for base in bases) < 4 * x2d.shape[1]:
         return None

@@ -29,11 +29,12 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from . import nf4_ws
 from .nf4 import MULTIPROCESSORS
-from .nf4_ws import _absmax, _tile
+from .nf4_ws import _GL, _absmax, _tile
 
-BF = 128            # output features a tile: two warpgroups of 64 rows
-BT = 256            # tokens a tile
+BF = nf4_ws.BO      # output features a tile (128): two warpgroups of 64 rows
+BT = nf4_ws.BM      # tokens a tile (256)
 STEP = gl.constexpr(64)
 GROUP_M = 8
 
@@ -159,17 +160,11 @@ def _nf4_rs_kernel(x_desc, c_desc, o_desc, absmax, acodes, ascales, aoffset, nf4
     ], [4, 1], [232, 40])
 
 
-_GL = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
-
-
 def supported(x: torch.Tensor, packed) -> bool:
-    """Whether the kernel takes x @ W^T: a Hopper GPU, FP16/BF16, whole NF4 blocks in every row,
-    TMA-aligned rows of x and of y (N % 8 == 0), and at least a wave of tiles (fewer tokens go to
-    the Triton kernels' split of the reduced dimension)."""
-    N, K = packed.shape
-    return (x.is_cuda and x.dtype in _GL and torch.cuda.get_device_capability(x.device)[0] == 9
-            and K % 64 == 0 and N % 8 == 0 and x.data_ptr() % 16 == 0
-            and -(-x.shape[0] // BT) * -(-N // BF) >= MULTIPROCESSORS)
+    """Whether the kernel takes x @ W^T: where `nf4_ws` takes it (a Hopper GPU, FP16/BF16, whole
+    NF4 blocks in every row, TMA-aligned rows of x, at least a wave of the same 256 x 128 tiles)
+    and y's rows are TMA-aligned too (N % 8 == 0)."""
+    return nf4_ws.supported(x, packed, False) and packed.shape[0] % 8 == 0
 
 
 def specialization(x, words, out, stages=4, skip=False):

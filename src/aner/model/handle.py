@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from ..errors import ConfigError
+from ..kernels import joins_deltas
 from ..train.memory import MemorySummary, activation_bytes, adapter_activation_bytes, admit
 from ..train.profile import Profile
 from . import names
@@ -200,7 +201,7 @@ class PretrainedModel:
         decoded_kept every matrix that is multiplied whole (all but an untied embedding, which is
         only looked up): the forward keeps each for its backward, and the head is decoded last.
         An adapted matrix counts 3 r columns more where the fused adapter kernels may join its
-        delta to its product (`kernels.lora._joined`: BF16, r a multiple of 8; every target)."""
+        delta to its product (`kernels.joins_deltas`; every target, whatever its width)."""
         kernel = self._profile.nf4_kernel
         if self._storage == "float32" or kernel == "fused":
             return 0
@@ -210,7 +211,7 @@ class PretrainedModel:
         looked_up = "token_embd.weight" if "output.weight" in self._weights else None
         method = self._method.config if self._method is not None else None
         joins = method is not None and self._profile.adapter_kernel == "fused" \
-            and self._profile.compute_dtype == torch.bfloat16 and method.rank % 8 == 0
+            and joins_deltas(self._profile.compute_dtype, [method.rank])
         spare = {t: 3 * method.rank for t in method.targets} if joins else {}
         sizes = [w.shape[0] * (w.shape[1] + spare.get(n, 0)) * itemsize for n, w in self._weights.items()
                  if not isinstance(w, torch.Tensor) and n != looked_up]
