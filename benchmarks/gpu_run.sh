@@ -10,6 +10,9 @@
 #   ws          benchmarks/nf4_ws.py (a warp-specialized NF4 product) -> <date>-h200-nf4-ws.json
 #   rs          benchmarks/nf4_rs.py (the NF4 forward with the weight as the MMA's register operand)
 #                                                                     -> <date>-h200-nf4-rs.json
+#   ncu         benchmarks/nf4_profile.py under Nsight Compute (--set full): dense, nf4_rs (and its steps one at a
+#               time, each also without the decode), nf4_ws at 4096 x 4096 x 2048 (NCU="N K M" another shape)
+#               -> nf4-profile.ncu-rep, -details.txt, -raw.csv, -sass.csv (the sampled stalls of each SASS line)
 #   lora        benchmarks/lora_kernels.py (fused adapter kernels)   -> <date>-h200-lora-kernels.json
 #               (LORA=--sweep: the tile grid at every shape of a Llama-3.2-1B and Llama-3.1-8B update)
 #   adamw       benchmarks/adamw.py (ours against torch.optim.AdamW) -> <date>-h200-adamw.json
@@ -64,6 +67,12 @@ for stage in "$@"; do
     profiles) python3 benchmarks/gpu_profiles.py "$OUT/$day-h200-profiles.json" 2>&1 | tee "$OUT/gpu-profiles.log" ;;
     ws) python3 benchmarks/nf4_ws.py "$OUT/$day-h200-nf4-ws.json" 2>&1 | tee "$OUT/nf4-ws.log" | tail -n 40 ;;
     rs) python3 benchmarks/nf4_rs.py "$OUT/$day-h200-nf4-rs.json" 2>&1 | tee "$OUT/nf4-rs.log" | tail -n 40 ;;
+    ncu) PYTHONPATH=$PYTHONPATH:$PWD/benchmarks ncu --clock-control none --profile-from-start off --set full \
+           --import-source no -f -o "$OUT/nf4-profile" python3 benchmarks/nf4_profile.py ${NCU:-} 2>&1 | tail -n 5
+         ncu -i "$OUT/nf4-profile.ncu-rep" --page details --print-details all > "$OUT/nf4-profile-details.txt"
+         ncu -i "$OUT/nf4-profile.ncu-rep" --page raw --csv > "$OUT/nf4-profile-raw.csv"
+         ncu -i "$OUT/nf4-profile.ncu-rep" --page source --csv --print-source sass > "$OUT/nf4-profile-sass.csv" 2>&1
+         grep -E "^  [a-z_]|Duration|Throughput|Busy|Issue Slots|Warp Cycles|L2 Hit|Eligible" "$OUT/nf4-profile-details.txt" | head -n 120 ;;
     kernels) python3 benchmarks/nf4_kernels.py "$OUT/$day-h200-nf4-kernels.json" ${KERNELS:-} 2>&1 | tee "$OUT/nf4-kernels.log" | tail -n 40 ;;
     adamw) python3 benchmarks/adamw.py "$OUT/$day-h200-adamw.json" --device cuda:0 --models smollm2-135m llama-3.2-1b 2>&1 \
              | tee "$OUT/adamw.log" ;;

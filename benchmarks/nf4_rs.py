@@ -15,16 +15,18 @@ from aner.kernels.nf4_ws import nf4_ws_matmul
 
 import nf4_ws           # benchmarks/nf4_ws.py: the runner of variants in processes of their own
 
-# (ring depth, skip the decode, programs: None = one a tile); the first is the default
-VARIANTS = [(4, False, K.MULTIPROCESSORS), (4, False, None), (3, False, K.MULTIPROCESSORS), (4, True, K.MULTIPROCESSORS)]
+# (ring depth, skip the decode, programs: None = one a tile, steps a group with a MMA in flight); the first is
+# the default
+VARIANTS = [(4, False, K.MULTIPROCESSORS, 4), (4, False, K.MULTIPROCESSORS, 1), (4, False, None, 4),
+            (3, False, K.MULTIPROCESSORS, 4), (4, True, K.MULTIPROCESSORS, 4)]
 PROBLEMS = [(4096, 4096, 2048), (4096, 4096, 8192), (8192, 2048, 8192), (2048, 8192, 8192)]   # N, K, tokens
 
 
 def run_variant(v):
-    stages, skip, programs = VARIANTS[v]
-    kw = dict(stages=stages, skip=skip, programs=programs)
+    stages, skip, programs, in_flight = VARIANTS[v]
+    kw = dict(stages=stages, skip=skip, programs=programs, in_flight=in_flight)
     torch.manual_seed(0)
-    row = {"stages": stages, "skip_decode": skip, "programs": programs or "one a tile",
+    row = {"stages": stages, "skip_decode": skip, "programs": programs or "one a tile", "in_flight": in_flight,
            "checks": {}, "problems": []}
     if not skip:
         for N, Kin, M in [(1000, 576, 300), (4096, 4096, 2048), (2048, 64, 4096), (136, 4096, 8192)]:

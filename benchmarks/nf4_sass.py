@@ -136,9 +136,35 @@ def ws_report(trans: bool, M=2048, N=4096, Kin=4096) -> str:
     return " | ".join(out)
 
 
+def operand_writes(sass: str) -> list[str]:
+    """The instructions, in address order, that write a register an issued HGMMA reads as its
+    first operand before a WARPGROUP.DEPBAR has seen that MMA finish (a group ends at the HGMMA
+    marked gsb0; DEPBAR.LE gsb0, n leaves the newest n). Branches are read as straight code: the
+    groups of a kernel whose waits all come before its branches are checked exactly."""
+    pending, group, found = [], set(), []
+    for text in re.findall(r"/\*[0-9a-f]{4,5}\*/\s+([^;]*);", sass):
+        op, _, rest = re.sub(r"^@!?U?P\w+\s+", "", text.strip()).partition(" ")
+        args = [a.strip() for a in rest.split(",")]
+        if op.startswith("HGMMA"):
+            if re.fullmatch(r"R\d+", args[1]):
+                group |= {int(args[1][1:]) + i for i in range(4)}
+            if "gsb0" in rest:
+                pending, group = pending + [group], set()
+        elif op.startswith("WARPGROUP.DEPBAR"):
+            pending = pending[len(pending) - int(args[-1], 16):] if int(args[-1], 16) else []
+        elif not re.match(r"(ST|RED|BRA|BAR|SYNCS|WARPGROUP|NOP|EXIT|RET|CALL|FENCE|MEMBAR|DEPBAR|U)", op):
+            dst = next((a for a in args[:2] if re.fullmatch(r"R\d+", a)), None)
+            width = 4 if ".128" in op else 2 if ".64" in op or ".WIDE" in op else 1
+            if dst and {int(dst[1:]) + i for i in range(width)} & set().union(*pending):
+                found.append(text.strip())
+    return found
+
+
 def rs_report(M=2048, N=4096, Kin=4096) -> str:
-    """The same for the forward with the weight as the MMA's register operand: the registers, and
-    the loop of a warpgroup (the decode and the MMA of one step)."""
+    """The same for the forward with the weight as the MMA's register operand: the registers, the
+    instructions from each MMA of a warpgroup's group of steps to the next (one WARPGROUP.ARRIVE to
+    the next: a step's decode), and the writes into the operand registers of a MMA that may still
+    be running (none is allowed)."""
     from aner.kernels import nf4_rs as R
 
     x_desc, c_desc, o_desc, const, options = R.specialization(
@@ -147,8 +173,12 @@ def rs_report(M=2048, N=4096, Kin=4096) -> str:
     kernel = gluon_compile(R._nf4_rs_kernel, {"x_desc": x_desc, "c_desc": c_desc, "o_desc": o_desc},
                            dict(const, DQ=True), options, {"nf4cb": "fp32", **POINTERS})
     loops, head = loops_and_head(kernel)
-    inner = min((body for body in loops if any("HGMMA" in b for b in body)), key=len)
-    return f"{head} | warpgroup loop {opcodes(inner, 10)}"
+    sass = disassemble(kernel.asm["cubin"])[3]
+    at = [int(a, 16) for a in re.findall(r"/\*([0-9a-f]{4,5})\*/\s+WARPGROUP\.ARRIVE", sass)]
+    group = at[1:const["U"] + 1]          # after the one step short of a group (K = 4096: 64 steps)
+    steps = [(b - a) // 16 for a, b in zip(group, group[1:])]
+    return (f"{head} | instructions from a MMA to the next in a group {steps}"
+            f" | operand registers written early: {operand_writes(sass)}")
 
 
 def main():

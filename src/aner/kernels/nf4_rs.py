@@ -8,15 +8,19 @@ handoff, no decode warps. The first operand being the weight, a program makes ti
 
     y^T (N, M) = W (N, K) @ x^T (K, M)        stored transposed by TMA, so y (M, N) = x @ W^T
 
-    MMA x2    4 warps  64 rows of the tile each: decode the step's rows into the operand
-                       registers, MMA (FP32 accumulation), wait for it, free the ring slot
+    MMA x2    4 warps  64 rows of the tile each, steps 4 at a time: decode a step's rows into
+                       operand registers while the MMA of the step before runs, issue its MMA
+                       (FP32 accumulation), wait for the one before, free its ring slot
     loader    1 warp   a TMA ring of the activation tiles and the code words
 
-An MMA's operand registers may not be written until it has finished, so a warpgroup waits for
-its MMA before decoding the next step; the two warpgroups are separate partitions, so one decodes
-while the other's MMA runs. A thread of the operand layout holds, of each of its two rows and
-each 16 columns, columns 2t, 2t + 1, 2t + 8, 2t + 9 (t = lane % 4): byte t of each of the row's 8
-code words. A code's value comes from the lane of its number (lane l holds codebook entry l % 16;
+An MMA's operand registers may not be written until a wait has seen it finish, and ptxas is not
+bound to keep them from other values: each step's are held past that wait (`_hold`), so two
+steps' operands are live at once, and a group's last MMA is waited for before the next group
+decodes (a value carried around the loop would not hold its MMA's registers). The two warpgroups
+are separate partitions; a row's 4 lanes load the absmax of 4 steps, one each, and shuffle it to
+the others. A thread of the operand layout holds, of each of its two rows and each 16 columns,
+columns 2t, 2t + 1, 2t + 8, 2t + 9 (t = lane % 4): byte t of each of the row's 8 code words. A
+code's value comes from the lane of its number (lane l holds codebook entry l % 16;
 `_shuffle_lookup_asm`), is multiplied by the block's absmax in FP32 and rounded to the operand
 dtype: the operand bits are `NF4Weight.dequantize()` rounded, as in every other NF4 kernel, and
 each output is summed in ascending steps by one program, so the bits equal `nf4_ws`'s and the
@@ -54,8 +58,8 @@ def _shuffle_lookup_asm(cvt: str) -> str:
     return "{\n" + "\n".join(lines) + "\n}"
 
 
-_LOOKUP_BF16 = gl.constexpr(_shuffle_lookup_asm("cvt.rn.bf16x2.f32"))
-_LOOKUP_F16 = gl.constexpr(_shuffle_lookup_asm("cvt.rn.f16x2.f32"))
+_LOOKUP = {torch.bfloat16: _shuffle_lookup_asm("cvt.rn.bf16x2.f32"),
+           torch.float16: _shuffle_lookup_asm("cvt.rn.f16x2.f32")}
 _LOOKUP_IO = gl.constexpr("=r," * 4 + ",".join(["r"] * 40))     # 8 elements a call: 5 inputs of 8
 
 
@@ -78,10 +82,63 @@ def _loads(x_desc, c_desc, x_bufs, c_bufs, ready, empty, M, N, steps, GROUP: gl.
 
 
 @gluon.jit
-def _multiply(x_bufs, c_bufs, ready, empty, o_desc, o_buf, absmax, acodes, ascales, aoffset, nf4cb, dyncb, M, N, K,
-              steps, GROUP: gl.constexpr, DQ: gl.constexpr, SKIP: gl.constexpr, ROW0: gl.constexpr):
-    """A warpgroup: rows ROW0 .. ROW0 + 63 of every tile of the program."""
+def _hold(a):
+    """Nothing, reading a's registers here: they hold a at least to this point (an MMA's operand
+    registers may not be written until a wait has seen it finish, a rule ptxas does not enforce)."""
+    gl.inline_asm_elementwise("", "=r,0", [a], dtype=a.dtype, is_pure=False, pack=2)
+
+
+@gluon.jit
+def _issue(acc, h, am4, x_bufs, c_bufs, ready, t, e, cb, words_l: gl.constexpr, a_l: gl.constexpr,
+           LOOKUP: gl.constexpr, ROW0: gl.constexpr, u: gl.constexpr):
+    """Step u of a group: its slot waited for, its rows decoded into operand registers, its MMA
+    issued -> (acc, the operand, the slot)."""
     S: gl.constexpr = x_bufs.type.shape[0]
+    R: gl.constexpr = 64
+    # the step's absmax from lane t = u of each row: a shuffle within each 4 lanes
+    am = gl.inline_asm_elementwise("shfl.sync.idx.b32 $0, $1, $2, 0x1c03, -1;", "=r,r,r", [am4, t * 0 + u],
+                                   dtype=gl.float32, is_pure=True, pack=1)
+    s = h % S
+    mbarrier.wait(ready.index(s), (h // S) & 1)
+    words = gl.expand_dims(gl.expand_dims(c_bufs.index(s).slice(ROW0, R).load(words_l), 2), 3)
+    if LOOKUP == "":                # the decode left out (timing only)
+        v = (words + t + e).to(x_bufs.dtype)
+    else:
+        v = gl.inline_asm_elementwise(LOOKUP, _LOOKUP_IO, [words, t, am, cb, e], dtype=x_bufs.dtype, is_pure=True,
+                                      pack=8)
+    a = gl.convert_layout(gl.reshape(v, [R, STEP]), a_l, assert_trivial=True)
+    return warpgroup_mma(a, x_bufs.index(s).permute((1, 0)), acc, is_async=True), a, s
+
+
+@gluon.jit
+def _steps(acc, h, k, am_next, x_bufs, c_bufs, ready, empty, rows, blk, t, e, cb, absmax, acodes, ascales, aoffset,
+           dyncb, N, steps, words_l: gl.constexpr, a_l: gl.constexpr, DQ: gl.constexpr, LOOKUP: gl.constexpr,
+           ROW0: gl.constexpr, U: gl.constexpr):
+    """Steps k .. k + U - 1 of a warpgroup: each decoded while the MMA of the one before runs, its
+    MMA issued before that one is waited for, the last waited for at the end; every step's operand
+    registers held until the wait that sees its MMA finish. `am_next` holds the absmax of the
+    group's blocks, step k + t's in lane t of each row (U <= 4); the next group's are loaded here."""
+    gl.static_assert(U <= 4)
+    am4 = am_next
+    am_next = _absmax(blk + k + U + t, (rows < N) & (k + U + t < steps), absmax, acodes, ascales, aoffset, dyncb, DQ)
+    acc, a_prev, s_prev = _issue(acc, h, am4, x_bufs, c_bufs, ready, t, e, cb, words_l, a_l, LOOKUP, ROW0, 0)
+    for u in gl.static_range(1, U):
+        acc, a, s = _issue(acc, h + u, am4, x_bufs, c_bufs, ready, t, e, cb, words_l, a_l, LOOKUP, ROW0, u)
+        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+        _hold(a_prev)
+        mbarrier.arrive(empty.index(s_prev))
+        a_prev = a
+        s_prev = s
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+    _hold(a_prev)
+    mbarrier.arrive(empty.index(s_prev))
+    return acc, h + U, k + U, am_next
+
+
+@gluon.jit
+def _multiply(x_bufs, c_bufs, ready, empty, o_desc, o_buf, absmax, acodes, ascales, aoffset, nf4cb, dyncb, M, N, K,
+              steps, GROUP: gl.constexpr, DQ: gl.constexpr, LOOKUP: gl.constexpr, U: gl.constexpr, ROW0: gl.constexpr):
+    """A warpgroup: rows ROW0 .. ROW0 + 63 of every tile of the program, its steps U at a time."""
     BTc: gl.constexpr = x_bufs.type.shape[1]
     BFc: gl.constexpr = c_bufs.type.shape[1]
     R: gl.constexpr = 64
@@ -107,30 +164,17 @@ def _multiply(x_bufs, c_bufs, ready, empty, o_desc, o_buf, absmax, acodes, ascal
     h = 0
     for tile in range(gl.program_id(0), gl.cdiv(M, BTc) * gl.cdiv(N, BFc), gl.num_programs(0)):
         off_m, off_n = _tile(tile, M, N, BTc, BFc, GROUP)
-        rows = off_n + r
+        rows = gl.expand_dims(gl.expand_dims(gl.expand_dims(off_n + r, 1), 2), 3)                # (R, 1, 1, 1)
         blk = rows.to(gl.int64) * KB
-        am_next = _absmax(blk, rows < N, absmax, acodes, ascales, aoffset, dyncb, DQ)    # a step ahead
+        am_next = _absmax(blk + t, (rows < N) & (t < steps), absmax, acodes, ascales, aoffset, dyncb, DQ)
         acc = gl.zeros((R, BTc), dtype=gl.float32, layout=acc_l)
-        for i in range(steps):
-            am = gl.expand_dims(gl.expand_dims(gl.expand_dims(am_next, 1), 2), 3)
-            am_next = _absmax(blk + i + 1, (rows < N) & (i + 1 < steps), absmax, acodes, ascales, aoffset, dyncb,
-                              DQ)
-            s = h % S
-            mbarrier.wait(ready.index(s), (h // S) & 1)
-            words = gl.expand_dims(gl.expand_dims(c_bufs.index(s).slice(ROW0, R).load(words_l), 2), 3)
-            if SKIP:
-                v = (words + t + e).to(x_bufs.dtype)
-            elif x_bufs.dtype == gl.bfloat16:
-                v = gl.inline_asm_elementwise(_LOOKUP_BF16, _LOOKUP_IO, [words, t, am, cb, e], dtype=gl.bfloat16,
-                                              is_pure=True, pack=8)
-            else:
-                v = gl.inline_asm_elementwise(_LOOKUP_F16, _LOOKUP_IO, [words, t, am, cb, e], dtype=gl.float16,
-                                              is_pure=True, pack=8)
-            a = gl.convert_layout(gl.reshape(v, [R, STEP]), a_l, assert_trivial=True)
-            acc = warpgroup_mma(a, x_bufs.index(s).permute((1, 0)), acc, is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            mbarrier.arrive(empty.index(s))
-            h += 1
+        k = 0
+        for i in range(steps % U):          # the steps short of a whole group, one at a time
+            acc, h, k, am_next = _steps(acc, h, k, am_next, x_bufs, c_bufs, ready, empty, rows, blk, t, e, cb, absmax,
+                                        acodes, ascales, aoffset, dyncb, N, steps, words_l, a_l, DQ, LOOKUP, ROW0, 1)
+        for i in range(steps // U):
+            acc, h, k, am_next = _steps(acc, h, k, am_next, x_bufs, c_bufs, ready, empty, rows, blk, t, e, cb, absmax,
+                                        acodes, ascales, aoffset, dyncb, N, steps, words_l, a_l, DQ, LOOKUP, ROW0, U)
         # the tile transposed through shared memory, stored by TMA while the next tile runs
         tma.store_wait(0)
         o_buf.store(gl.permute(acc.to(o_buf.dtype), (1, 0)))
@@ -141,7 +185,7 @@ def _multiply(x_bufs, c_bufs, ready, empty, o_desc, o_buf, absmax, acodes, ascal
 
 @gluon.jit
 def _nf4_rs_kernel(x_desc, c_desc, o_desc, absmax, acodes, ascales, aoffset, nf4cb, dyncb, M, N, K, steps,
-                   DQ: gl.constexpr, GROUP: gl.constexpr, S: gl.constexpr, SKIP: gl.constexpr):
+                   DQ: gl.constexpr, GROUP: gl.constexpr, S: gl.constexpr, LOOKUP: gl.constexpr, U: gl.constexpr):
     """y = x @ W^T; a program walks the tiles pid, pid + programs, ..., its steps numbered across them."""
     x_bufs = gl.allocate_shared_memory(x_desc.dtype, [S] + x_desc.block_type.shape, x_desc.layout)
     c_bufs = gl.allocate_shared_memory(c_desc.dtype, [S] + c_desc.block_type.shape, c_desc.layout)
@@ -153,9 +197,9 @@ def _nf4_rs_kernel(x_desc, c_desc, o_desc, absmax, acodes, ascales, aoffset, nf4
         mbarrier.init(empty.index(s), count=2)            # both warpgroups read a slot
     gl.warp_specialize([
         (_multiply, (x_bufs, c_bufs, ready, empty, o_desc, o_bufs.index(0), absmax, acodes, ascales, aoffset, nf4cb,
-                     dyncb, M, N, K, steps, GROUP, DQ, SKIP, 0)),
+                     dyncb, M, N, K, steps, GROUP, DQ, LOOKUP, U, 0)),
         (_multiply, (x_bufs, c_bufs, ready, empty, o_desc, o_bufs.index(1), absmax, acodes, ascales, aoffset, nf4cb,
-                     dyncb, M, N, K, steps, GROUP, DQ, SKIP, 64)),
+                     dyncb, M, N, K, steps, GROUP, DQ, LOOKUP, U, 64)),
         (_loads, (x_desc, c_desc, x_bufs, c_bufs, ready, empty, M, N, steps, GROUP)),
     ], [4, 1], [232, 40])
 
@@ -167,15 +211,16 @@ def supported(x: torch.Tensor, packed) -> bool:
     return nf4_ws.supported(x, packed, False) and packed.shape[0] % 8 == 0
 
 
-def specialization(x, words, out, stages=4, skip=False):
+def specialization(x, words, out, stages=4, in_flight=4, skip=False):
     """TMA descriptors of x (M, K), the (N, K / 8) int32 code words and y (M, N), the kernel's
-    compile-time constants (but DQ) and its launch options. Host tensors give what a compile-only
-    report needs."""
+    compile-time constants (but DQ) and its launch options: a ring `stages` deep, steps
+    `in_flight` (1-4) a group, and `skip` (timing only, wrong values) leaves the decode out. Host
+    tensors give what a compile-only report needs."""
     dt = _GL[x.dtype]
     x_desc = TensorDescriptor.from_tensor(x, [BT, 64], gl.NVMMASharedLayout.get_default_for([BT, 64], dt))
     c_desc = TensorDescriptor.from_tensor(words, [BF, 8], gl.NVMMASharedLayout.get_default_for([BF, 8], gl.int32))
     o_desc = TensorDescriptor.from_tensor(out, [BT, 64], gl.NVMMASharedLayout.get_default_for([BT, 64], dt))
-    const = dict(GROUP=GROUP_M, S=stages, SKIP=skip)
+    const = dict(GROUP=GROUP_M, S=stages, LOOKUP="" if skip else _LOOKUP[x.dtype], U=in_flight)
     # 4 + 4 + 1 warps, the loader's padded to 4: 12 warps' registers at launch, then 232 / 232 / 40
     options = dict(num_warps=4, maxnreg=65536 // (32 * 12) // 8 * 8, enable_fp_fusion=False)
     return x_desc, c_desc, o_desc, const, options
