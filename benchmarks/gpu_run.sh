@@ -10,6 +10,8 @@
 #   ws          benchmarks/nf4_ws.py (a warp-specialized NF4 product) -> <date>-h200-nf4-ws.json
 #   rs          benchmarks/nf4_rs.py (the NF4 forward with the weight as the MMA's register operand)
 #                                                                     -> <date>-h200-nf4-rs.json
+#   barriers    benchmarks/nf4_rs_barriers.py (nf4_rs as compiled against its PTX without the MMA partitions'
+#               warpgroup barriers at each ring slot; alternated processes)   -> <date>-h200-nf4-rs-barriers.json
 #   ncu         benchmarks/nf4_profile.py under Nsight Compute (--set full): dense, nf4_rs (and its steps one at a
 #               time, each also without the decode), nf4_ws at 4096 x 4096 x 2048 (NCU="N K M" another shape)
 #               -> nf4-profile.ncu-rep, -details.txt, -raw.csv, -sass.csv (the sampled stalls of each SASS line)
@@ -67,6 +69,7 @@ for stage in "$@"; do
     profiles) python3 benchmarks/gpu_profiles.py "$OUT/$day-h200-profiles.json" 2>&1 | tee "$OUT/gpu-profiles.log" ;;
     ws) python3 benchmarks/nf4_ws.py "$OUT/$day-h200-nf4-ws.json" 2>&1 | tee "$OUT/nf4-ws.log" | tail -n 40 ;;
     rs) python3 benchmarks/nf4_rs.py "$OUT/$day-h200-nf4-rs.json" 2>&1 | tee "$OUT/nf4-rs.log" | tail -n 40 ;;
+    barriers) python3 benchmarks/nf4_rs_barriers.py "$OUT/$day-h200-nf4-rs-barriers.json" 2>&1 | tee "$OUT/nf4-rs-barriers.log" | tail -n 40 ;;
     ncu) PYTHONPATH=$PYTHONPATH:$PWD/benchmarks ncu --clock-control none --profile-from-start off --set full \
            --import-source no -f -o "$OUT/nf4-profile" python3 benchmarks/nf4_profile.py ${NCU:-} 2>&1 | tail -n 5
          ncu -i "$OUT/nf4-profile.ncu-rep" --page details --print-details all > "$OUT/nf4-profile-details.txt"
