@@ -175,7 +175,7 @@ def rs_report(M=2048, N=4096, Kin=4096) -> str:
     loops, head = loops_and_head(kernel)
     sass = disassemble(kernel.asm["cubin"])[3]
     at = [int(a, 16) for a in re.findall(r"/\*([0-9a-f]{4,5})\*/\s+WARPGROUP\.ARRIVE", sass)]
-    group = at[1:const["U"] + 1]          # after the one step short of a group (K = 4096: 64 steps)
+    group = at[1:const["U"] + 1]          # the first ARRIVE is the code of the steps short of a group
     steps = [(b - a) // 16 for a, b in zip(group, group[1:])]
     return (f"{head} | instructions from a MMA to the next in a group {steps}"
             f" | operand registers written early: {operand_writes(sass)}")
