@@ -35,7 +35,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from . import nf4_ws
 from .nf4 import MULTIPROCESSORS
-from .nf4_ws import _GL, _absmax, _tile
+from .nf4_ws import _GL, _absmax, _tile, layout
 
 BF = nf4_ws.BO      # output features a tile (128): two warpgroups of 64 rows
 BT = nf4_ws.BM      # tokens a tile (256)
@@ -217,9 +217,9 @@ def specialization(x, words, out, stages=4, in_flight=4, skip=False):
     `in_flight` (1-4) a group, and `skip` (timing only, wrong values) leaves the decode out. Host
     tensors give what a compile-only report needs."""
     dt = _GL[x.dtype]
-    x_desc = TensorDescriptor.from_tensor(x, [BT, 64], gl.NVMMASharedLayout.get_default_for([BT, 64], dt))
-    c_desc = TensorDescriptor.from_tensor(words, [BF, 8], gl.NVMMASharedLayout.get_default_for([BF, 8], gl.int32))
-    o_desc = TensorDescriptor.from_tensor(out, [BT, 64], gl.NVMMASharedLayout.get_default_for([BT, 64], dt))
+    x_desc = TensorDescriptor.from_tensor(x, [BT, 64], layout((BT, 64), dt))
+    c_desc = TensorDescriptor.from_tensor(words, [BF, 8], layout((BF, 8), gl.int32))
+    o_desc = TensorDescriptor.from_tensor(out, [BT, 64], layout((BT, 64), dt))
     const = dict(GROUP=GROUP_M, S=stages, LOOKUP="" if skip else _LOOKUP[x.dtype], U=in_flight)
     # 4 + 4 + 1 warps, the loader's padded to 4: 12 warps' registers at launch, then 232 / 232 / 40
     options = dict(num_warps=4, maxnreg=65536 // (32 * 12) // 8 * 8, enable_fp_fusion=False)

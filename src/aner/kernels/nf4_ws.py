@@ -22,6 +22,8 @@ it applies (sm_90, FP16/BF16, K % 64 == 0, N % 8 == 0 backward, a wave of tiles)
 Triton kernels run. `skip` (benchmarks only) replaces the decode by a conversion of the code
 words (wrong values, the same copies and handoffs): the time of everything but the decode.
 """
+import functools
+
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -252,6 +254,13 @@ def _nf4_ws_kernel(a_desc, c_desc, out, absmax, acodes, ascales, aoffset, dyncb,
 _GL = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 
 
+@functools.cache
+def layout(shape: tuple, dtype) -> gl.NVMMASharedLayout:
+    """Triton's default shared-memory layout of a tile, made once a shape and dtype: making it
+    takes a call's host ~14 us, three times the TMA descriptor that carries it."""
+    return gl.NVMMASharedLayout.get_default_for(list(shape), dtype)
+
+
 BM = 256            # tokens a tile: two warpgroups of the MMA partition, 128 rows each
 
 
@@ -272,11 +281,10 @@ def specialization(a, words, trans, bm=BM, dw=4, dregs=72, stages=(4, 4, 8), ski
     partition), two decode partitions of dw warps at dregs registers, the (activation, weight,
     code) ring depths. Host tensors give what a compile-only report needs."""
     dt = _GL[a.dtype]
-    a_desc = TensorDescriptor.from_tensor(a, [bm, STEP], gl.NVMMASharedLayout.get_default_for([bm, STEP], dt))
+    a_desc = TensorDescriptor.from_tensor(a, [bm, STEP], layout((bm, STEP), dt))
     rows, grps = (STEP, BO // 64) if trans else (BO, 1)
-    c_desc = TensorDescriptor.from_tensor(words, [rows, grps, 8],
-                                          gl.NVMMASharedLayout.get_default_for([rows, grps, 8], gl.int32))
-    const = dict(W_LAYOUT=gl.NVMMASharedLayout.get_default_for([rows, grps * 64], dt), W_ROWS=rows,
+    c_desc = TensorDescriptor.from_tensor(words, [rows, grps, 8], layout((rows, grps, 8), gl.int32))
+    const = dict(W_LAYOUT=layout((rows, grps * 64), dt), W_ROWS=rows,
                  W_COLS=grps * 64, TRANS=trans, GROUP=GROUP_M, AS=stages[0], WS=stages[1], CS=stages[2],
                  DW=dw, DREGS=dregs, SKIP=skip)
     warps = bm // 32
