@@ -1,6 +1,6 @@
 """Whether the warpgroup barriers of `aner.kernels.nf4_rs`'s MMA partitions cost time: the kernel's
-PTX as compiled, and the same PTX without the `bar.sync` before each ring-slot wait and each
-slot release (the compiler puts one before every mbarrier wait of a chain and every arrive; here
+PTX as compiled, and the same PTX without the `bar.sync` before each ring-slot wait, before each
+slot release, or both (the compiler puts one before every mbarrier wait of a chain and every arrive; here
 neither is needed: a slot cannot be refilled before its MMA, which every warp issued, is seen to
 finish). The edited PTX goes in through Triton's IR override, in processes of their own,
 alternated; each checks its bits against `nf4_ws` and times the kernel and dense cuBLAS with the
@@ -52,7 +52,7 @@ def run(mode):
     from aner.kernels.nf4_rs import nf4_rs_matmul
     from aner.kernels.nf4_ws import nf4_ws_matmul
     torch.manual_seed(0)
-    row = {"barriers": "removed" if mode == "patched" else "as compiled", "checks": {}, "problems": []}
+    row = {"without": mode, "checks": {}, "problems": []}
     for N, Kin, M in [(4096, 4096, 2048), (2048, 8192, 4096), (1024, 4096, 8192)]:
         p, Wd = nf4_ws.packed(N, Kin)
         x = torch.randn(M, Kin, device="cuda").bfloat16()
@@ -76,10 +76,34 @@ def run(mode):
         row["problems"].append({"N": N, "K": Kin, "tokens": M, "queued_us": us, "rs_vs_dense": us["rs"] / us["dense"],
                                 "host_us_a_call": host, "do_bench_us": bench,
                                 "do_bench_rs_vs_dense": bench["rs"] / bench["dense"]})
-        print(row["barriers"], f"N{N} K{Kin} M{M}: dense {us['dense']:.1f} us, rs {us['rs'] / us['dense']:.3f}x"
+        print(mode, f"N{N} K{Kin} M{M}: dense {us['dense']:.1f} us, rs {us['rs'] / us['dense']:.3f}x"
               f" (do_bench {bench['rs'] / bench['dense']:.3f}x; host {host['rs']:.0f} us a call)",
               file=sys.stderr, flush=True)
     return row
+
+
+# which barriers each run's PTX goes without; runs alternate, the first and the two alone last
+RUNS = [(), ("waits", "arrives"), (), ("waits", "arrives"), ("waits",), ("arrives",)]
+EDITS = {"waits": WAIT, "arrives": ARRIVE}
+
+
+def edit(dump, work):
+    """Every dumped PTX of the kernel, without the barriers each run of RUNS leaves out, into an
+    override folder of that run under work -> the barriers taken out and left, by run and kernel."""
+    edits = {}
+    for cut in {r for r in RUNS if r}:
+        override = os.path.join(work, "-".join(cut))
+        for h in os.listdir(dump):
+            for f in os.listdir(os.path.join(dump, h)):
+                if f.startswith("_nf4_rs_kernel") and f.endswith(".ptx"):
+                    ptx = open(os.path.join(dump, h, f)).read()
+                    counts = {}
+                    for name in cut:
+                        ptx, counts[name] = EDITS[name].subn(r"\1", ptx)
+                    os.makedirs(os.path.join(override, h), exist_ok=True)
+                    open(os.path.join(override, h, f), "w").write(ptx)
+                    edits[f"{'-'.join(cut)} {h}"] = dict(counts, left=ptx.count("bar.sync"))
+    return edits
 
 
 def main():
@@ -89,29 +113,20 @@ def main():
     here = os.path.dirname(os.path.abspath(__file__))
     work = tempfile.mkdtemp()
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([here, os.environ.get("PYTHONPATH", "")]))
-    # the PTX of every specialization the runs compile, dumped, then edited into the override folder
-    dump, override = os.path.join(work, "dump"), os.path.join(work, "override")
+    # the PTX of every specialization the runs compile, dumped, then edited into an override folder a run
+    dump = os.path.join(work, "dump")
     subprocess.run([sys.executable, __file__, "--run", "dump"], check=True, capture_output=True,
-                   env=dict(env, TRITON_KERNEL_DUMP="1", TRITON_DUMP_DIR=dump, TRITON_CACHE_DIR=os.path.join(work, "c0")))
-    edits = {}
-    for h in os.listdir(dump):
-        for f in os.listdir(os.path.join(dump, h)):
-            if f.startswith("_nf4_rs_kernel") and f.endswith(".ptx"):
-                ptx = open(os.path.join(dump, h, f)).read()
-                new, waits = WAIT.subn(r"\1", ptx)
-                new, arrives = ARRIVE.subn(r"\1", new)
-                os.makedirs(os.path.join(override, h), exist_ok=True)
-                open(os.path.join(override, h, f), "w").write(new)
-                edits[h] = {"waits": waits, "arrives": arrives, "bar.sync left": new.count("bar.sync")}
+                   env=dict(env, TRITON_KERNEL_DUMP="1", TRITON_DUMP_DIR=dump, TRITON_CACHE_DIR=os.path.join(work, "c")))
+    edits = edit(dump, work)
     print("edits", edits, file=sys.stderr, flush=True)
     rows = []
-    for i, patched in enumerate([False, True, False, True]):
-        extra = dict(TRITON_KERNEL_OVERRIDE="1", TRITON_OVERRIDE_DIR=override) if patched else {}
-        done = subprocess.run([sys.executable, __file__, "--run", "patched" if patched else "plain"], text=True,
-                              capture_output=True, env=dict(env, TRITON_CACHE_DIR=os.path.join(work, f"c{i + 1}"), **extra))
+    for i, cut in enumerate(RUNS):
+        extra = dict(TRITON_KERNEL_OVERRIDE="1", TRITON_OVERRIDE_DIR=os.path.join(work, "-".join(cut))) if cut else {}
+        done = subprocess.run([sys.executable, __file__, "--run", "-".join(cut) or "plain"], text=True,
+                              capture_output=True, env=dict(env, TRITON_CACHE_DIR=os.path.join(work, f"c{i}"), **extra))
         sys.stderr.write(done.stderr[-2500:])
         if done.returncode:
-            rows.append({"patched": patched, "error": done.stderr[-1500:]})
+            rows.append({"without": cut, "error": done.stderr[-1500:]})
             continue
         rows.append(dict(json.loads(done.stdout.splitlines()[-1]), overridden="Overriding kernel" in done.stdout))
     with open(sys.argv[1], "w") as f:
