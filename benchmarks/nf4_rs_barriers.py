@@ -115,8 +115,10 @@ def main():
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([here, os.environ.get("PYTHONPATH", "")]))
     # the PTX of every specialization the runs compile, dumped, then edited into an override folder a run
     dump = os.path.join(work, "dump")
-    subprocess.run([sys.executable, __file__, "--run", "dump"], check=True, capture_output=True,
-                   env=dict(env, TRITON_KERNEL_DUMP="1", TRITON_DUMP_DIR=dump, TRITON_CACHE_DIR=os.path.join(work, "c")))
+    done = subprocess.run([sys.executable, __file__, "--run", "dump"], capture_output=True, text=True,
+                          env=dict(env, TRITON_KERNEL_DUMP="1", TRITON_DUMP_DIR=dump, TRITON_CACHE_DIR=os.path.join(work, "c")))
+    if done.returncode:
+        sys.exit(done.stderr[-3000:])
     edits = edit(dump, work)
     print("edits", edits, file=sys.stderr, flush=True)
     rows = []
