@@ -19,7 +19,6 @@ import nf4_ws           # benchmarks/nf4_ws.py: the runner of variants in proces
 # the default
 VARIANTS = [(4, False, K.MULTIPROCESSORS, 4), (4, False, K.MULTIPROCESSORS, 1), (4, False, None, 4),
             (3, False, K.MULTIPROCESSORS, 4), (4, True, K.MULTIPROCESSORS, 4)]
-PROBLEMS = [(4096, 4096, 2048), (4096, 4096, 8192), (8192, 2048, 8192), (2048, 8192, 8192)]   # N, K, tokens
 
 
 def run_variant(v):
@@ -40,7 +39,7 @@ def run_variant(v):
                 "same_bits_twice": torch.equal(y, nf4_rs_matmul(x, p, **kw)),
                 "bits_of_ws": torch.equal(y, nf4_ws_matmul(x, p, False))}
     nf4_ws.clocks_up()
-    for N, Kin, M in PROBLEMS:
+    for N, Kin, M in nf4_ws.PROBLEMS:
         p, Wd = nf4_ws.packed(N, Kin)
         wd = Wd.bfloat16()
         x = torch.randn(M, Kin, device="cuda").bfloat16()

@@ -20,7 +20,6 @@ import torch
 
 WAIT = re.compile(r"bar\.sync\s+\d+, 128;(\s*// begin inline asm\s*\{\s*\.reg \.pred complete;)")
 ARRIVE = re.compile(r"bar\.sync\s+\d+, 128;(\s*// begin inline asm\s*@%p\d+ mbarrier\.arrive)")
-PROBLEMS = [(4096, 4096, 2048), (4096, 4096, 8192), (8192, 2048, 8192), (2048, 8192, 8192)]   # N, K, tokens
 
 
 def queued(fn, reps=50):
@@ -62,7 +61,7 @@ def run(mode):
     if mode == "dump":                          # the kernel compiled, for its PTX
         return row
     nf4_ws.clocks_up()
-    for N, Kin, M in PROBLEMS:
+    for N, Kin, M in nf4_ws.PROBLEMS:
         p, Wd = nf4_ws.packed(N, Kin)
         wd = Wd.bfloat16()
         x = torch.randn(M, Kin, device="cuda").bfloat16()
