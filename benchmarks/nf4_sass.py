@@ -160,18 +160,23 @@ def operand_writes(sass: str) -> list[str]:
     return found
 
 
-def rs_report(M=2048, N=4096, Kin=4096) -> str:
-    """The same for the forward with the weight as the MMA's register operand: the registers, the
-    instructions from each MMA of a warpgroup's group of steps to the next (one WARPGROUP.ARRIVE to
-    the next: a step's decode), and the writes into the operand registers of a MMA that may still
-    be running (none is allowed)."""
+def rs_report(trans=False, M=2048, N=4096, Kin=4096) -> str:
+    """The same for the forward with the weight as the MMA's register operand (`trans`: the input
+    gradient through the transposed copy): the registers, the instructions from each MMA of a
+    warpgroup's group of steps to the next (one WARPGROUP.ARRIVE to the next: a step's decode), and
+    the writes into the operand registers of a MMA that may still be running (none is allowed)."""
     from aner.kernels import nf4_rs as R
 
-    x_desc, c_desc, o_desc, const, options = R.specialization(
-        torch.empty(M, Kin, dtype=torch.bfloat16), torch.empty(N, Kin // 8, dtype=torch.int32),
-        torch.empty(M, N, dtype=torch.bfloat16))
-    kernel = gluon_compile(R._nf4_rs_kernel, {"x_desc": x_desc, "c_desc": c_desc, "o_desc": o_desc},
-                           dict(const, DQ=True), options, {"nf4cb": "fp32", **POINTERS})
+    rows, red = (Kin, N) if trans else (N, Kin)
+    absmax_t = torch.empty(rows // 64, red, dtype=torch.float32) if trans else None
+    x_desc, c_desc, a_desc, o_desc, const, options = R.specialization(
+        torch.empty(M, red, dtype=torch.bfloat16), torch.empty(rows, red // 8, dtype=torch.int32),
+        torch.empty(M, rows, dtype=torch.bfloat16), absmax_t)
+    descs = {"x_desc": x_desc, "c_desc": c_desc, "a_desc": a_desc, "o_desc": o_desc}
+    if a_desc is None:
+        const = dict(const, a_desc=None)
+        del descs["a_desc"]
+    kernel = gluon_compile(R._nf4_rs_kernel, descs, dict(const, DQ=True), options, {"nf4cb": "fp32", **POINTERS})
     loops, head = loops_and_head(kernel)
     sass = disassemble(kernel.asm["cubin"])[3]
     at = [int(a, 16) for a in re.findall(r"/\*([0-9a-f]{4,5})\*/\s+WARPGROUP\.ARRIVE", sass)]
@@ -187,7 +192,8 @@ def main():
             print("input grad" if trans else "forward", ws_report(trans), flush=True)
         return
     if sys.argv[1:] == ["--rs"]:
-        print("forward, register operand", rs_report(), flush=True)
+        for trans in (False, True):
+            print("input grad" if trans else "forward", "register operand", rs_report(trans), flush=True)
         return
     M, N, Kin = map(int, sys.argv[1:4]) if len(sys.argv) > 3 else (8192, 2048, 2048)
     for op in ("matmul", "matmul_t"):

@@ -23,9 +23,10 @@ PROBLEMS = [(4096, 4096, 2048), (4096, 4096, 8192), (8192, 2048, 8192), (2048, 8
 
 
 def packed(N, Kin):
-    """A double-quantized NF4 weight of 0.02-scaled normal values on the GPU, and it decoded in float64."""
+    """A double-quantized NF4 weight of 0.02-scaled normal values on the GPU (with the transposed
+    copy of `nf4_rs`'s input gradient), and it decoded in float64."""
     w = NF4Weight.quantize(torch.randn(N, Kin) * 0.02, double_quant=True)
-    return K.DevicePacked.from_weight(w, "cuda"), w.dequantize().to("cuda", torch.float64)
+    return K.DevicePacked.from_weight(w, "cuda", transposed=True), w.dequantize().to("cuda", torch.float64)
 
 
 def bench(fn) -> float:

@@ -18,7 +18,7 @@ DEV = device_or_skip()
 
 from aner.errors import ConfigError  # noqa: E402
 from aner.kernels import nf4 as K  # noqa: E402
-from aner.quant.nf4 import NF4Weight  # noqa: E402
+from aner.quant.nf4 import NF4_CODEBOOK, NF4Weight, unpack_nibbles  # noqa: E402
 
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 gpu_only = pytest.mark.skipif(INTERPRET or not torch.cuda.is_available(), reason="GPU only (too slow interpreted)")
@@ -37,9 +37,10 @@ else:
 
 @functools.lru_cache(maxsize=None)
 def packed(shape, double_quant):
-    """(NF4Weight, DevicePacked, dequantized float64 W on DEV); fresh random weights each run."""
+    """(NF4Weight, DevicePacked with the transposed copy where it is made, dequantized float64 W on
+    DEV); fresh random weights each run."""
     w = NF4Weight.quantize(torch.randn(*shape) * 0.02, double_quant=double_quant)
-    return w, K.DevicePacked.from_weight(w, DEV), w.dequantize().to(DEV, torch.float64)
+    return w, K.DevicePacked.from_weight(w, DEV, transposed=True), w.dequantize().to(DEV, torch.float64)
 
 
 def randn(*shape, dtype):
@@ -234,17 +235,19 @@ HOPPER = not INTERPRET and torch.cuda.is_available() and torch.cuda.get_device_c
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("double_quant", [False, True], ids=["plain", "dq"])
 @pytest.mark.parametrize("shape_m", [((4096, 4096), 2048), ((1000, 1024), 4500), ((2048, 64), 4096),
-                                     ((136, 4096), 8192), ((49152, 576), 1000)],
+                                     ((136, 4096), 8192), ((49152, 576), 1000), ((576, 576), 8200)],
                          ids=lambda s: f"{s[0][0]}x{s[0][1]}-M{s[1]}")
 def test_warp_specialized_products(shape_m, double_quant, dtype):
-    """The default products where the Gluon kernels take them (nf4_rs forward, nf4_ws input
-    gradient): tiles partial along every dimension, one step (K = 64) and an odd number of steps
-    (N = 136 backward), several tiles a program."""
+    """The default products where the Gluon kernels take them (nf4_rs forward, nf4_rs input
+    gradient through the transposed copy where it is made, else nf4_ws): tiles partial along every
+    dimension, one step (K = 64) and an odd number of steps (N = 136 and 576 backward), several
+    tiles a program."""
     from aner.kernels import nf4_rs, nf4_ws
     (N, Kin), M = shape_m
     _, p, W = packed((N, Kin), double_quant)
     x, g = randn(M, Kin, dtype=dtype), randn(M, N, dtype=dtype)
     taken = [nf4_rs.supported(x, p), nf4_ws.supported(g, p, True)]
+    assert (p.codes_t is not None) == (N % 64 == 0 and Kin % 64 == 0)
     assert any(taken)
     if taken[0]:
         poison(M, N, dtype=dtype)
@@ -261,6 +264,9 @@ def test_warp_specialized_products(shape_m, double_quant, dtype):
         check_close(dx, g.double() @ W, g.double().abs() @ W.abs(), dtype, g)
         assert torch.equal(dx, K.nf4_matmul_t(g, p))
         assert torch.equal(dx, nf4_ws.nf4_ws_matmul(g, p, True, programs=K.MULTIPROCESSORS))
+        if nf4_rs.supported(g, p, True):
+            assert torch.equal(dx, nf4_rs.nf4_rs_matmul(g, p, True, programs=None))
+    assert nf4_rs.supported(g, p, True) == (taken[1] and p.codes_t is not None)
 
 
 @gpu_only
@@ -298,6 +304,26 @@ def test_embedding_bit_exact(shape, double_quant, lut):
     rows = K.nf4_embedding(p, ids.to(DEV), lut=lut)
     assert rows.shape == (3, 5, shape[1]) and rows.dtype == torch.float32
     assert torch.equal(rows.cpu(), w.dequantize_rows(ids))
+
+
+@pytest.mark.parametrize("double_quant", [False, True], ids=["plain", "dq"])
+def test_transposed_copy(double_quant):
+    """The input gradient's transposed copy holds W^T's codes and each element's block absmax: its
+    values are dequantize()'s transposed, bit for bit; the device copy counts its bytes."""
+    w = NF4Weight.quantize(torch.randn(192, 128) * 0.02, double_quant=double_quant)
+    (N, Kin), n = w.shape, torch.arange(192)
+    codes_t, absmax_t = K.transposed_copy(w, w.codes)
+    assert codes_t.shape == (N * Kin // 2,) and absmax_t.shape == (Kin // 64, N)
+    idx = unpack_nibbles(codes_t, N * Kin).view(Kin, N).long()
+    # column n = 64 j + 8 word + 2 t + e of each row of blocks is stored at 64 j + 16 t + 2 word + e
+    at = n // 64 * 64 + n % 8 // 2 * 16 + n % 64 // 8 * 2 + n % 2
+    values = NF4_CODEBOOK[idx] * absmax_t[:, at].repeat_interleave(64, dim=0)
+    assert torch.equal(values, w.dequantize().t())
+    p = K.DevicePacked.from_weight(w, DEV, transposed=True)      # made on a Hopper GPU only
+    assert (p.codes_t is not None) == HOPPER
+    assert p.nbytes() == w.nbytes() + (16 + 256) * 4 + (codes_t.nbytes + absmax_t.nbytes if HOPPER else 0)
+    if HOPPER:
+        assert torch.equal(p.codes_t.cpu(), codes_t) and torch.equal(p.absmax_t.cpu(), absmax_t)
 
 
 def test_packed_and_errors():

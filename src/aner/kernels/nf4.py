@@ -44,7 +44,7 @@ import triton
 import triton.language as tl
 
 from ..errors import ConfigError
-from ..quant.nf4 import ABSMAX_BLOCK, DYNAMIC8_CODEBOOK, NF4_BLOCK, NF4_CODEBOOK, NF4Weight
+from ..quant.nf4 import ABSMAX_BLOCK, DYNAMIC8_CODEBOOK, NF4_BLOCK, NF4_CODEBOOK, NF4Weight, pack_nibbles, unpack_nibbles
 from . import FLOATS
 from .fp32 import fp32_dot
 from .splits import sum_splits
@@ -70,9 +70,14 @@ class DevicePacked:
     absmax_offset: torch.Tensor | None          # (1,) float32
     nf4_codebook: torch.Tensor                  # (16,) float32
     dynamic8_codebook: torch.Tensor             # (256,) float32
+    # the transposed copy, for the input gradient with the weight as the MMA's register operand
+    codes_t: torch.Tensor | None = None         # (K * N / 2,) uint8: W^T's codes, high nibble first
+    absmax_t: torch.Tensor | None = None        # (K / 64, N) float32: block (n, b)'s in row b (`transposed_copy`)
 
     @classmethod
-    def from_weight(cls, weight: NF4Weight, device) -> "DevicePacked":
+    def from_weight(cls, weight: NF4Weight, device, transposed: bool = False) -> "DevicePacked":
+        """The device copy; with `transposed`, also the transposed copy where the input gradient's
+        register-operand kernel runs (a Hopper GPU, both dimensions whole NF4 blocks)."""
         if not isinstance(weight, NF4Weight):
             raise ConfigError(f"weight must be an NF4Weight, got {type(weight).__name__}")
         device = torch.device(device)
@@ -81,19 +86,27 @@ class DevicePacked:
             return None if t is None else t.detach().to(device).contiguous()
 
         offset = None if weight.absmax_offset is None else weight.absmax_offset.reshape(1)
-        return cls(shape=weight.shape, double_quant=weight.double_quant, codes=put(weight.codes),
+        codes = put(weight.codes)
+        N, K = weight.shape
+        codes_t = absmax_t = None
+        if (transposed and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
+                and N % 64 == 0 and K % 64 == 0):
+            codes_t, absmax_t = transposed_copy(weight, codes)
+        return cls(shape=weight.shape, double_quant=weight.double_quant, codes=codes,
                    absmax=put(weight.absmax), absmax_codes=put(weight.absmax_codes),
                    absmax_scales=put(weight.absmax_scales), absmax_offset=put(offset),
-                   nf4_codebook=put(NF4_CODEBOOK), dynamic8_codebook=put(DYNAMIC8_CODEBOOK))
+                   nf4_codebook=put(NF4_CODEBOOK), dynamic8_codebook=put(DYNAMIC8_CODEBOOK),
+                   codes_t=codes_t, absmax_t=absmax_t)
 
     @property
     def device(self) -> torch.device:
         return self.codes.device
 
     def nbytes(self) -> int:
-        """Bytes of the packed tensors held on the device (codes, scales, offset, codebooks)."""
+        """Bytes of the packed tensors held on the device (codes, scales, offset, codebooks, the
+        transposed copy)."""
         held = [self.codes, self.absmax, self.absmax_codes, self.absmax_scales, self.absmax_offset,
-                self.nf4_codebook, self.dynamic8_codebook]
+                self.nf4_codebook, self.dynamic8_codebook, self.codes_t, self.absmax_t]
         return sum(t.numel() * t.element_size() for t in held if t is not None)
 
     def _args(self):
@@ -103,6 +116,19 @@ class DevicePacked:
                     self.nf4_codebook, self.dynamic8_codebook)
         return (self.codes, self.absmax, self.codes, self.codes, self.codes,
                 self.nf4_codebook, self.dynamic8_codebook)
+
+
+def transposed_copy(weight: NF4Weight, codes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """W^T's codes packed as W's are (made where `codes`, W's, lie) and the FP32 absmax of W's
+    blocks a column of W^T: (codes_t (K * N / 2,) uint8, absmax_t (K / 64, N) float32 there, row b
+    holding blocks (n, b), each 64 columns in the order below)."""
+    N, K = weight.shape
+    codes_t = pack_nibbles(unpack_nibbles(codes, N * K).view(N, K).t())
+    absmax_t = weight.block_absmax(0, N * K // NF4_BLOCK).view(N, K // NF4_BLOCK).t()
+    # column 8 w + 2 t + e of each 64 stored at 16 t + 2 w + e: the 16 one thread of the operand
+    # layout multiplies by (t = lane % 4) side by side
+    absmax_t = absmax_t.reshape(K // NF4_BLOCK, N // 64, 8, 4, 2).permute(0, 1, 3, 2, 4)
+    return codes_t, absmax_t.reshape(K // NF4_BLOCK, N).to(codes.device).contiguous()
 
 
 # ----------------------------------------------------------------------------- decode (device)
@@ -552,8 +578,8 @@ def _launch_matmul(kernel, a, packed, M, R, Q, out_cols, config, op):
     N, K = packed.shape
     if config is None and M and a.is_cuda:
         from . import nf4_rs, nf4_ws    # Gluon (Triton's lower-level language): imported where it may run
-        if op == "matmul" and nf4_rs.supported(a, packed):
-            return nf4_rs.nf4_rs_matmul(a, packed)
+        if nf4_rs.supported(a, packed, op == "matmul_t"):
+            return nf4_rs.nf4_rs_matmul(a, packed, op == "matmul_t")
         if nf4_ws.supported(a, packed, op == "matmul_t"):
             return nf4_ws.nf4_ws_matmul(a, packed, op == "matmul_t")
     cfg = config or default_config(op, M, N, K, a.dtype)

@@ -43,41 +43,52 @@ STEP = gl.constexpr(64)
 GROUP_M = 8
 
 
-def _shuffle_lookup_asm(cvt: str) -> str:
-    """PTX for four code words of one row ($4, $6, $8, $10), the lane's byte t ($12), the row's
-    block absmax ($20) and the lane's codebook entry ($28: lane l holds code l % 16's value) ->
-    the two values of byte t of each word: $i = (its high nibble's, its low nibble's) of word i, a
-    pair of 16-bit floats as the MMA's operand registers hold them (byte k holds element 2k in its
+def _shuffle_lookup_asm(cvt: str, columns: bool) -> str:
+    """PTX for four code words of one row ($4, $6, $8, $10), the lane's byte t ($12), the block
+    absmax of every element ($20 .. $27: one for the row, or with `columns` one a column: $20 + 2i + e
+    for element e of word i) and the lane's codebook entry ($28: lane l holds code l % 16's value)
+    -> the two values of byte t of each word: $i = (its high nibble's, its low nibble's) of word i,
+    a pair of 16-bit floats as the MMA's operand registers hold them (byte k holds element 2k in its
     high nibble). A value is read from the lane of its code by a shuffle within each half-warp,
     which takes the low 4 bits of the index; then absmax times it in FP32, rounded by `cvt`."""
     lines = [".reg .b32 sh, lo, hi;", ".reg .f32 vl, vh;", "shl.b32 sh, $12, 3;"]
     for i in range(4):
+        high, low = (f"${20 + 2 * i}", f"${21 + 2 * i}") if columns else ("$20", "$20")
         lines += [f"shr.b32 lo, ${4 + 2 * i}, sh;", "shr.b32 hi, lo, 4;",
                   "shfl.sync.idx.b32 vl, $28, lo, 0x100f, -1;", "shfl.sync.idx.b32 vh, $28, hi, 0x100f, -1;",
-                  "mul.rn.f32 vl, vl, $20;", "mul.rn.f32 vh, vh, $20;", f"{cvt} ${i}, vl, vh;"]
+                  f"mul.rn.f32 vl, vl, {low};", f"mul.rn.f32 vh, vh, {high};", f"{cvt} ${i}, vl, vh;"]
     return "{\n" + "\n".join(lines) + "\n}"
 
 
-_LOOKUP = {torch.bfloat16: _shuffle_lookup_asm("cvt.rn.bf16x2.f32"),
-           torch.float16: _shuffle_lookup_asm("cvt.rn.f16x2.f32")}
+_CVT = {torch.bfloat16: "cvt.rn.bf16x2.f32", torch.float16: "cvt.rn.f16x2.f32"}
 _LOOKUP_IO = gl.constexpr("=r," * 4 + ",".join(["r"] * 40))     # 8 elements a call: 5 inputs of 8
+# the transposed copy's absmax of a step's 64 columns through the ring, stored (t, word, e): a
+# thread's 16 in a row
+_FLAT = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, order=[2, 1, 0]))
+_PLAIN = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)     # its TMA tile as stored
 
 
 @gluon.jit
-def _loads(x_desc, c_desc, x_bufs, c_bufs, ready, empty, M, N, steps, GROUP: gl.constexpr):
-    """The loader warp: every step's activation tile and code words into the ring."""
+def _loads(x_desc, c_desc, a_desc, x_bufs, c_bufs, a_bufs, ready, empty, M, N, steps, GROUP: gl.constexpr,
+           COLS: gl.constexpr):
+    """The loader warp: every step's activation tile and code words (and with COLS the absmax of
+    the step's columns) into the ring."""
     S: gl.constexpr = x_bufs.type.shape[0]
     BTc: gl.constexpr = x_desc.block_type.shape[0]
     BFc: gl.constexpr = c_desc.block_type.shape[0]
+    nbytes: gl.constexpr = x_desc.block_type.nbytes + c_desc.block_type.nbytes + (a_desc.block_type.nbytes if COLS
+                                                                                  else 0)
     h = 0
     for tile in range(gl.program_id(0), gl.cdiv(M, BTc) * gl.cdiv(N, BFc), gl.num_programs(0)):
         off_m, off_n = _tile(tile, M, N, BTc, BFc, GROUP)
         for i in range(steps):
             s = h % S
             mbarrier.wait(empty.index(s), ((h // S) & 1) ^ 1)
-            mbarrier.expect(ready.index(s), x_desc.block_type.nbytes + c_desc.block_type.nbytes)
+            mbarrier.expect(ready.index(s), nbytes)
             tma.async_copy_global_to_shared(x_desc, [off_m, i * STEP], ready.index(s), x_bufs.index(s))
             tma.async_copy_global_to_shared(c_desc, [off_n, i * 8], ready.index(s), c_bufs.index(s))
+            if COLS:
+                tma.async_copy_global_to_shared(a_desc, [off_n // 64, i * STEP], ready.index(s), a_bufs.index(s))
             h += 1
 
 
@@ -89,17 +100,20 @@ def _hold(a):
 
 
 @gluon.jit
-def _issue(acc, h, am4, x_bufs, c_bufs, ready, t, e, cb, words_l: gl.constexpr, a_l: gl.constexpr,
-           LOOKUP: gl.constexpr, ROW0: gl.constexpr, u: gl.constexpr):
+def _issue(acc, h, am4, x_bufs, c_bufs, a_bufs, ready, t, e, cb, words_l: gl.constexpr, am_l: gl.constexpr,
+           a_l: gl.constexpr, LOOKUP: gl.constexpr, COLS: gl.constexpr, ROW0: gl.constexpr, u: gl.constexpr):
     """Step u of a group: its slot waited for, its rows decoded into operand registers, its MMA
     issued -> (acc, the operand, the slot)."""
     S: gl.constexpr = x_bufs.type.shape[0]
     R: gl.constexpr = 64
-    # the step's absmax from lane t = u of each row: a shuffle within each 4 lanes
-    am = gl.inline_asm_elementwise("shfl.sync.idx.b32 $0, $1, $2, 0x1c03, -1;", "=r,r,r", [am4, t * 0 + u],
-                                   dtype=gl.float32, is_pure=True, pack=1)
     s = h % S
+    if not COLS:    # the step's absmax from lane t = u of each row: a shuffle within each 4 lanes
+        am = gl.inline_asm_elementwise("shfl.sync.idx.b32 $0, $1, $2, 0x1c03, -1;", "=r,r,r", [am4, t * 0 + u],
+                                       dtype=gl.float32, is_pure=True, pack=1)
     mbarrier.wait(ready.index(s), (h // S) & 1)
+    if COLS:        # an absmax a column: the thread's (word, t, e) of the slot's row of blocks
+        am = a_bufs.index(s).slice(ROW0 // R, 1)._reinterpret(gl.float32, [4, 8, 2], _FLAT).permute((1, 0, 2))
+        am = gl.expand_dims(am.load(am_l), 0)
     words = gl.expand_dims(gl.expand_dims(c_bufs.index(s).slice(ROW0, R).load(words_l), 2), 3)
     if LOOKUP == "":                # the decode left out (timing only)
         v = (words + t + e).to(x_bufs.dtype)
@@ -111,19 +125,24 @@ def _issue(acc, h, am4, x_bufs, c_bufs, ready, t, e, cb, words_l: gl.constexpr, 
 
 
 @gluon.jit
-def _steps(acc, h, k, am_next, x_bufs, c_bufs, ready, empty, rows, blk, t, e, cb, absmax, acodes, ascales, aoffset,
-           dyncb, N, steps, words_l: gl.constexpr, a_l: gl.constexpr, DQ: gl.constexpr, LOOKUP: gl.constexpr,
-           ROW0: gl.constexpr, U: gl.constexpr):
+def _steps(acc, h, k, am_next, x_bufs, c_bufs, a_bufs, ready, empty, rows, blk, t, e, cb, absmax, acodes, ascales,
+           aoffset, dyncb, N, steps, words_l: gl.constexpr, am_l: gl.constexpr, a_l: gl.constexpr, DQ: gl.constexpr,
+           LOOKUP: gl.constexpr, COLS: gl.constexpr, ROW0: gl.constexpr, U: gl.constexpr):
     """Steps k .. k + U - 1 of a warpgroup: each decoded while the MMA of the one before runs, its
     MMA issued before that one is waited for, the last waited for at the end; every step's operand
     registers held until the wait that sees its MMA finish. `am_next` holds the absmax of the
-    group's blocks, step k + t's in lane t of each row (U <= 4); the next group's are loaded here."""
+    group's blocks, step k + t's in lane t of each row (U <= 4); the next group's are loaded here
+    (with COLS each step's come through the ring instead)."""
     gl.static_assert(U <= 4)
     am4 = am_next
-    am_next = _absmax(blk + k + U + t, (rows < N) & (k + U + t < steps), absmax, acodes, ascales, aoffset, dyncb, DQ)
-    acc, a_prev, s_prev = _issue(acc, h, am4, x_bufs, c_bufs, ready, t, e, cb, words_l, a_l, LOOKUP, ROW0, 0)
+    if not COLS:
+        am_next = _absmax(blk + k + U + t, (rows < N) & (k + U + t < steps), absmax, acodes, ascales, aoffset, dyncb,
+                          DQ)
+    acc, a_prev, s_prev = _issue(acc, h, am4, x_bufs, c_bufs, a_bufs, ready, t, e, cb, words_l, am_l, a_l, LOOKUP,
+                                 COLS, ROW0, 0)
     for u in gl.static_range(1, U):
-        acc, a, s = _issue(acc, h + u, am4, x_bufs, c_bufs, ready, t, e, cb, words_l, a_l, LOOKUP, ROW0, u)
+        acc, a, s = _issue(acc, h + u, am4, x_bufs, c_bufs, a_bufs, ready, t, e, cb, words_l, am_l, a_l, LOOKUP,
+                           COLS, ROW0, u)
         acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
         _hold(a_prev)
         mbarrier.arrive(empty.index(s_prev))
@@ -136,8 +155,9 @@ def _steps(acc, h, k, am_next, x_bufs, c_bufs, ready, empty, rows, blk, t, e, cb
 
 
 @gluon.jit
-def _multiply(x_bufs, c_bufs, ready, empty, o_desc, o_buf, absmax, acodes, ascales, aoffset, nf4cb, dyncb, M, N, K,
-              steps, GROUP: gl.constexpr, DQ: gl.constexpr, LOOKUP: gl.constexpr, U: gl.constexpr, ROW0: gl.constexpr):
+def _multiply(x_bufs, c_bufs, a_bufs, ready, empty, o_desc, o_buf, absmax, acodes, ascales, aoffset, nf4cb, dyncb, M,
+              N, K, steps, GROUP: gl.constexpr, DQ: gl.constexpr, LOOKUP: gl.constexpr, COLS: gl.constexpr,
+              U: gl.constexpr, ROW0: gl.constexpr):
     """A warpgroup: rows ROW0 .. ROW0 + 63 of every tile of the program, its steps U at a time."""
     BTc: gl.constexpr = x_bufs.type.shape[1]
     BFc: gl.constexpr = c_bufs.type.shape[1]
@@ -153,6 +173,7 @@ def _multiply(x_bufs, c_bufs, ready, empty, o_desc, o_buf, absmax, acodes, ascal
         warp_bases=[[16, 0, 0, 0], [32, 0, 0, 0]], block_bases=[], shape=[R, 8, 4, 2])
     w3: gl.constexpr = gl.SliceLayout(3, w4)
     words_l: gl.constexpr = gl.SliceLayout(2, w3)
+    am_l: gl.constexpr = gl.SliceLayout(0, w4)          # an absmax a column (COLS): (word, t, e)
     t = gl.expand_dims(gl.expand_dims(gl.expand_dims(
         gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(0, w3))), 0), 0), 3)          # (1, 1, 4, 1)
     e = gl.expand_dims(gl.expand_dims(gl.expand_dims(
@@ -166,15 +187,20 @@ def _multiply(x_bufs, c_bufs, ready, empty, o_desc, o_buf, absmax, acodes, ascal
         off_m, off_n = _tile(tile, M, N, BTc, BFc, GROUP)
         rows = gl.expand_dims(gl.expand_dims(gl.expand_dims(off_n + r, 1), 2), 3)                # (R, 1, 1, 1)
         blk = rows.to(gl.int64) * KB
-        am_next = _absmax(blk + t, (rows < N) & (t < steps), absmax, acodes, ascales, aoffset, dyncb, DQ)
+        if COLS:
+            am_next = (rows * 0).to(gl.float32)     # not used
+        else:
+            am_next = _absmax(blk + t, (rows < N) & (t < steps), absmax, acodes, ascales, aoffset, dyncb, DQ)
         acc = gl.zeros((R, BTc), dtype=gl.float32, layout=acc_l)
         k = 0
         for i in range(steps % U):          # the steps short of a whole group, one at a time
-            acc, h, k, am_next = _steps(acc, h, k, am_next, x_bufs, c_bufs, ready, empty, rows, blk, t, e, cb, absmax,
-                                        acodes, ascales, aoffset, dyncb, N, steps, words_l, a_l, DQ, LOOKUP, ROW0, 1)
+            acc, h, k, am_next = _steps(acc, h, k, am_next, x_bufs, c_bufs, a_bufs, ready, empty, rows, blk, t, e, cb,
+                                        absmax, acodes, ascales, aoffset, dyncb, N, steps, words_l, am_l, a_l, DQ,
+                                        LOOKUP, COLS, ROW0, 1)
         for i in range(steps // U):
-            acc, h, k, am_next = _steps(acc, h, k, am_next, x_bufs, c_bufs, ready, empty, rows, blk, t, e, cb, absmax,
-                                        acodes, ascales, aoffset, dyncb, N, steps, words_l, a_l, DQ, LOOKUP, ROW0, U)
+            acc, h, k, am_next = _steps(acc, h, k, am_next, x_bufs, c_bufs, a_bufs, ready, empty, rows, blk, t, e, cb,
+                                        absmax, acodes, ascales, aoffset, dyncb, N, steps, words_l, am_l, a_l, DQ,
+                                        LOOKUP, COLS, ROW0, U)
         # the tile transposed through shared memory, stored by TMA while the next tile runs
         tma.store_wait(0)
         o_buf.store(gl.permute(acc.to(o_buf.dtype), (1, 0)))
@@ -184,11 +210,17 @@ def _multiply(x_bufs, c_bufs, ready, empty, o_desc, o_buf, absmax, acodes, ascal
 
 
 @gluon.jit
-def _nf4_rs_kernel(x_desc, c_desc, o_desc, absmax, acodes, ascales, aoffset, nf4cb, dyncb, M, N, K, steps,
-                   DQ: gl.constexpr, GROUP: gl.constexpr, S: gl.constexpr, LOOKUP: gl.constexpr, U: gl.constexpr):
-    """y = x @ W^T; a program walks the tiles pid, pid + programs, ..., its steps numbered across them."""
+def _nf4_rs_kernel(x_desc, c_desc, a_desc, o_desc, absmax, acodes, ascales, aoffset, nf4cb, dyncb, M, N, K, steps,
+                   DQ: gl.constexpr, GROUP: gl.constexpr, S: gl.constexpr, LOOKUP: gl.constexpr, COLS: gl.constexpr,
+                   U: gl.constexpr):
+    """y = x @ W^T (with COLS: W the transposed copy, its absmax a column, from a_desc); a program
+    walks the tiles pid, pid + programs, ..., its steps numbered across them."""
     x_bufs = gl.allocate_shared_memory(x_desc.dtype, [S] + x_desc.block_type.shape, x_desc.layout)
     c_bufs = gl.allocate_shared_memory(c_desc.dtype, [S] + c_desc.block_type.shape, c_desc.layout)
+    if COLS:
+        a_bufs = gl.allocate_shared_memory(a_desc.dtype, [S] + a_desc.block_type.shape, a_desc.layout)
+    else:
+        a_bufs = c_bufs                                   # not used
     o_bufs = gl.allocate_shared_memory(o_desc.dtype, [2] + o_desc.block_type.shape, o_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [S, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [S, 1], mbarrier.MBarrierLayout())
@@ -196,47 +228,58 @@ def _nf4_rs_kernel(x_desc, c_desc, o_desc, absmax, acodes, ascales, aoffset, nf4
         mbarrier.init(ready.index(s), count=1)
         mbarrier.init(empty.index(s), count=2)            # both warpgroups read a slot
     gl.warp_specialize([
-        (_multiply, (x_bufs, c_bufs, ready, empty, o_desc, o_bufs.index(0), absmax, acodes, ascales, aoffset, nf4cb,
-                     dyncb, M, N, K, steps, GROUP, DQ, LOOKUP, U, 0)),
-        (_multiply, (x_bufs, c_bufs, ready, empty, o_desc, o_bufs.index(1), absmax, acodes, ascales, aoffset, nf4cb,
-                     dyncb, M, N, K, steps, GROUP, DQ, LOOKUP, U, 64)),
-        (_loads, (x_desc, c_desc, x_bufs, c_bufs, ready, empty, M, N, steps, GROUP)),
+        (_multiply, (x_bufs, c_bufs, a_bufs, ready, empty, o_desc, o_bufs.index(0), absmax, acodes, ascales, aoffset,
+                     nf4cb, dyncb, M, N, K, steps, GROUP, DQ, LOOKUP, COLS, U, 0)),
+        (_multiply, (x_bufs, c_bufs, a_bufs, ready, empty, o_desc, o_bufs.index(1), absmax, acodes, ascales, aoffset,
+                     nf4cb, dyncb, M, N, K, steps, GROUP, DQ, LOOKUP, COLS, U, 64)),
+        (_loads, (x_desc, c_desc, a_desc, x_bufs, c_bufs, a_bufs, ready, empty, M, N, steps, GROUP, COLS)),
     ], [4, 1], [232, 40])
 
 
-def supported(x: torch.Tensor, packed) -> bool:
-    """Whether the kernel takes x @ W^T: where `nf4_ws` takes it (a Hopper GPU, FP16/BF16, whole
-    NF4 blocks in every row, TMA-aligned rows of x, at least a wave of the same 256 x 128 tiles)
-    and y's rows are TMA-aligned too (N % 8 == 0)."""
+def supported(x: torch.Tensor, packed, trans: bool = False) -> bool:
+    """Whether the kernel takes x @ W^T (x @ W with `trans`): where `nf4_ws` takes it (a Hopper GPU,
+    FP16/BF16, whole NF4 blocks in every row, TMA-aligned rows of x, at least a wave of the same
+    256 x 128 tiles) and the output's rows are TMA-aligned too (N % 8 == 0); with `trans`, where
+    the packed copy has its transposed copy (`DevicePacked.codes_t`)."""
+    if trans:
+        return packed.codes_t is not None and nf4_ws.supported(x, packed, True)
     return nf4_ws.supported(x, packed, False) and packed.shape[0] % 8 == 0
 
 
-def specialization(x, words, out, stages=4, in_flight=4, skip=False):
-    """TMA descriptors of x (M, K), the (N, K / 8) int32 code words and y (M, N), the kernel's
-    compile-time constants (but DQ) and its launch options: a ring `stages` deep, steps
+def specialization(x, words, out, absmax_t=None, stages=4, in_flight=4, skip=False):
+    """TMA descriptors of x (M, K), the (N, K / 8) int32 code words, the (N / 64, K) FP32 absmax a
+    column of a transposed copy (None: the codes' own blocks, along each row) and y (M, N); the
+    kernel's compile-time constants (but DQ) and its launch options: a ring `stages` deep, steps
     `in_flight` (1-4) a group, and `skip` (timing only, wrong values) leaves the decode out. Host
     tensors give what a compile-only report needs."""
     dt = _GL[x.dtype]
     x_desc = TensorDescriptor.from_tensor(x, [BT, 64], layout((BT, 64), dt))
     c_desc = TensorDescriptor.from_tensor(words, [BF, 8], layout((BF, 8), gl.int32))
     o_desc = TensorDescriptor.from_tensor(out, [BT, 64], layout((BT, 64), dt))
-    const = dict(GROUP=GROUP_M, S=stages, LOOKUP="" if skip else _LOOKUP[x.dtype], U=in_flight)
+    cols = absmax_t is not None
+    a_desc = TensorDescriptor.from_tensor(absmax_t, [BF // 64, 64], _PLAIN) if cols else None
+    const = dict(GROUP=GROUP_M, S=stages, LOOKUP="" if skip else _shuffle_lookup_asm(_CVT[x.dtype], cols), COLS=cols,
+                 U=in_flight)
     # 4 + 4 + 1 warps, the loader's padded to 4: 12 warps' registers at launch, then 232 / 232 / 40
     options = dict(num_warps=4, maxnreg=65536 // (32 * 12) // 8 * 8, enable_fp_fusion=False)
-    return x_desc, c_desc, o_desc, const, options
+    return x_desc, c_desc, a_desc, o_desc, const, options
 
 
-def nf4_rs_matmul(x, packed, programs=MULTIPROCESSORS, **tiles):
-    """x (M, K) @ W^T in x's dtype (`tiles`: `specialization`'s), with `programs` programs, each
-    walking every programs-th tile (None: one a tile; the same bits)."""
+def nf4_rs_matmul(x, packed, trans=False, programs=MULTIPROCESSORS, **tiles):
+    """x (M, K) @ W^T (x (M, N) @ W with `trans`, through the transposed copy) in x's dtype
+    (`tiles`: `specialization`'s), with `programs` programs, each walking every programs-th tile
+    (None: one a tile; the same bits)."""
     N, K = packed.shape
+    if trans:
+        N, K = K, N
     M = x.shape[0]
     out = torch.empty(M, N, device=x.device, dtype=x.dtype)
-    words = packed.codes.view(torch.int32).view(N, K // 8)
-    x_desc, c_desc, o_desc, const, options = specialization(x, words, out, **tiles)
+    words = (packed.codes_t if trans else packed.codes).view(torch.int32).view(N, K // 8)
+    x_desc, c_desc, a_desc, o_desc, const, options = specialization(
+        x, words, out, packed.absmax_t if trans else None, **tiles)
     count = -(-M // BT) * -(-N // BF)
     _, absmax, acodes, ascales, aoffset, nf4cb, dyncb = packed._args()
     _nf4_rs_kernel[(min(count, programs or count),)](
-        x_desc, c_desc, o_desc, absmax, acodes, ascales, aoffset, nf4cb, dyncb, M, N, K, K // STEP,
+        x_desc, c_desc, a_desc, o_desc, absmax, acodes, ascales, aoffset, nf4cb, dyncb, M, N, K, K // STEP,
         DQ=packed.double_quant, **const, **options)
     return out

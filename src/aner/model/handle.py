@@ -94,7 +94,8 @@ class PretrainedModel:
         # buffers stay authoritative (checkpoints, identity). Made once and shared by derived handles.
         if device_copies is None and self._profile.packed_on_device and storage != "float32":
             from ..kernels.nf4 import DevicePacked
-            device_copies = {n: DevicePacked.from_weight(w, device) for n, w in weights.items()
+            transposed = self._profile.nf4_kernel == "fused"     # the input gradient's register operand
+            device_copies = {n: DevicePacked.from_weight(w, device, transposed) for n, w in weights.items()
                              if not isinstance(w, torch.Tensor)}
         self._device_copies = device_copies or {}
 
@@ -105,7 +106,8 @@ class PretrainedModel:
                   profile=self._profile)
         kw.update(changes)
         same_buffers = kw["weights"] is self._weights and kw["device"] == self._device
-        if same_buffers and kw["profile"].packed_on_device == self._profile.packed_on_device:
+        if same_buffers and (kw["profile"].packed_on_device, kw["profile"].nf4_kernel == "fused") == (
+                self._profile.packed_on_device, self._profile.nf4_kernel == "fused"):
             kw["device_copies"] = self._device_copies
         return PretrainedModel(**kw)
 
