@@ -23,7 +23,8 @@ The fused products (`nf4_matmul`, `nf4_matmul_t`) hold the decoded weight only a
 registers/shared memory inside a matmul program: there is no dense copy of W on the device. With
 no TileConfig given, a Hopper GPU runs the large FP16/BF16 ones through Gluon kernels: the forward
 through `nf4_rs.py` (the MMA warps decode into the MMA's register operand; `nf4_rs.supported`),
-the input gradient, and a forward with N % 8 != 0, through the warp-specialized kernels of
+and so the input gradient where the device copy holds W^T's codes too (`transposed_copy`, made
+for nf4_kernel="fused" on a Hopper GPU); the others through the warp-specialized kernels of
 `nf4_ws.py` (the decode in warps of its own beside the MMA's; `nf4_ws.supported`). The
 decoded products (`fused_nf4_linear(..., decoded=True)`, the profile's nf4_kernel="decoded")
 decode the whole W with `nf4_decode` into a transient buffer of the operand dtype, multiply it

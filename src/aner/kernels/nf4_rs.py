@@ -1,4 +1,4 @@
-"""The fused NF4 forward for Hopper with the weight as the MMA's register operand (Gluon).
+"""The fused NF4 products for Hopper with the weight as the MMA's register operand (Gluon).
 
 `nf4_ws` decodes a weight tile into shared memory in warps of its own and hands it to MMA warps
 that wait for it. Here each warpgroup of MMA warps decodes its own rows straight into the
@@ -13,12 +13,17 @@ handoff, no decode warps. The first operand being the weight, a program makes ti
                        (FP32 accumulation), wait for the one before, free its ring slot
     loader    1 warp   a TMA ring of the activation tiles and the code words
 
+The input gradient dx = g @ W is the same product of g and W^T, whose blocks run down its
+columns: it reads the device copy's transposed codes (`DevicePacked.codes_t`) and with each
+step's code words the FP32 absmax of the step's 64 columns (`absmax_t`, COLS), each element
+multiplied by its column's.
+
 An MMA's operand registers may not be written until a wait has seen it finish, and ptxas is not
 bound to keep them from other values: each step's are held past that wait (`_hold`), so two
 steps' operands are live at once, and a group's last MMA is waited for before the next group
 decodes (a value carried around the loop would not hold its MMA's registers). The two warpgroups
-are separate partitions; a row's 4 lanes load the absmax of 4 steps, one each, and shuffle it to
-the others. A thread of the operand layout holds, of each of its two rows and each 16 columns,
+are separate partitions; in the forward a row's 4 lanes load the absmax of 4 steps, one each,
+and shuffle it to the others. A thread of the operand layout holds, of each of its two rows and each 16 columns,
 columns 2t, 2t + 1, 2t + 8, 2t + 9 (t = lane % 4): byte t of each of the row's 8 code words. A
 code's value comes from the lane of its number (lane l holds codebook entry l % 16;
 `_shuffle_lookup_asm`), is multiplied by the block's absmax in FP32 and rounded to the operand
