@@ -45,7 +45,8 @@ import triton
 import triton.language as tl
 
 from ..errors import ConfigError
-from ..quant.nf4 import ABSMAX_BLOCK, DYNAMIC8_CODEBOOK, NF4_BLOCK, NF4_CODEBOOK, NF4Weight, pack_nibbles, unpack_nibbles
+from ..quant.nf4 import (ABSMAX_BLOCK, DYNAMIC8_CODEBOOK, NF4_BLOCK, NF4_CODEBOOK, NF4Weight, pack_nibbles,
+                         unpack_nibbles)
 from . import FLOATS
 from .fp32 import fp32_dot
 from .splits import sum_splits

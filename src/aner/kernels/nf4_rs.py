@@ -23,14 +23,16 @@ bound to keep them from other values: each step's are held past that wait (`_hol
 steps' operands are live at once, and a group's last MMA is waited for before the next group
 decodes (a value carried around the loop would not hold its MMA's registers). The two warpgroups
 are separate partitions; in the forward a row's 4 lanes load the absmax of 4 steps, one each,
-and shuffle it to the others. A thread of the operand layout holds, of each of its two rows and each 16 columns,
-columns 2t, 2t + 1, 2t + 8, 2t + 9 (t = lane % 4): byte t of each of the row's 8 code words. A
-code's value comes from the lane of its number (lane l holds codebook entry l % 16;
-`_shuffle_lookup_asm`), is multiplied by the block's absmax in FP32 and rounded to the operand
+and shuffle it to the others. A thread of the operand layout holds, of each of its two rows and
+each 16 columns, columns 2t, 2t + 1, 2t + 8, 2t + 9 (t = lane % 4): byte t of each of the row's 8
+code words. A code's value comes from the lane of its number (lane l holds codebook entry l % 16;
+`_shuffle_lookup_asm`), is multiplied by its block's absmax in FP32 and rounded to the operand
 dtype: the operand bits are `NF4Weight.dequantize()` rounded, as in every other NF4 kernel, and
 each output is summed in ascending steps by one program, so the bits equal `nf4_ws`'s and the
 same inputs give the same bits on every run. `supported()` says where it applies.
 """
+import functools
+
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -48,6 +50,7 @@ STEP = gl.constexpr(64)
 GROUP_M = 8
 
 
+@functools.cache
 def _shuffle_lookup_asm(cvt: str, columns: bool) -> str:
     """PTX for four code words of one row ($4, $6, $8, $10), the lane's byte t ($12), the block
     absmax of every element ($20 .. $27: one for the row, or with `columns` one a column: $20 + 2i + e

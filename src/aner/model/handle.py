@@ -106,8 +106,8 @@ class PretrainedModel:
                   profile=self._profile)
         kw.update(changes)
         same_buffers = kw["weights"] is self._weights and kw["device"] == self._device
-        if same_buffers and (kw["profile"].packed_on_device, kw["profile"].nf4_kernel == "fused") == (
-                self._profile.packed_on_device, self._profile.nf4_kernel == "fused"):
+        copies = [(p.packed_on_device, p.nf4_kernel == "fused") for p in (kw["profile"], self._profile)]
+        if same_buffers and copies[0] == copies[1]:     # the same device copies (fused: transposed too)
             kw["device_copies"] = self._device_copies
         return PretrainedModel(**kw)
 
