@@ -94,7 +94,7 @@ class PretrainedModel:
         # buffers stay authoritative (checkpoints, identity). Made once and shared by derived handles.
         if device_copies is None and self._profile.packed_on_device and storage != "float32":
             from ..kernels.nf4 import DevicePacked
-            transposed = self._profile.nf4_kernel == "fused"     # the input gradient's register operand
+            transposed = self._profile.transposed_on_device
             device_copies = {n: DevicePacked.from_weight(w, device, transposed) for n, w in weights.items()
                              if not isinstance(w, torch.Tensor)}
         self._device_copies = device_copies or {}
@@ -106,8 +106,8 @@ class PretrainedModel:
                   profile=self._profile)
         kw.update(changes)
         same_buffers = kw["weights"] is self._weights and kw["device"] == self._device
-        copies = [(p.packed_on_device, p.nf4_kernel == "fused") for p in (kw["profile"], self._profile)]
-        if same_buffers and copies[0] == copies[1]:     # the same device copies (fused: transposed too)
+        copies = [(p.packed_on_device, p.transposed_on_device) for p in (kw["profile"], self._profile)]
+        if same_buffers and copies[0] == copies[1]:
             kw["device_copies"] = self._device_copies
         return PretrainedModel(**kw)
 

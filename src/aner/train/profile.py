@@ -131,6 +131,12 @@ class Profile:
         return self.nf4_kernel != "host_tiled"
 
     @property
+    def transposed_on_device(self) -> bool:
+        """Whether that copy also holds each matrix transposed, for the input gradients of the fused
+        kernels' register-operand form (made where a Hopper GPU runs it: `DevicePacked.from_weight`)."""
+        return self.nf4_kernel == "fused"
+
+    @property
     def compute_dtype(self) -> torch.dtype:
         return PRECISIONS[self.precision]
 
