@@ -13,7 +13,8 @@
 #   barriers    benchmarks/nf4_rs_barriers.py (nf4_rs as compiled against its PTX without the MMA partitions'
 #               warpgroup barriers at each ring slot; alternated processes)   -> <date>-h200-nf4-rs-barriers.json
 #   ncu         benchmarks/nf4_profile.py under Nsight Compute (--set full): dense, nf4_rs (and its steps one at a
-#               time, each also without the decode), nf4_ws at 4096 x 4096 x 2048 (NCU="N K M" another shape)
+#               time, each also without the decode), nf4_ws at 4096 x 4096 x 2048 (NCU="N K M" another shape);
+#               the input gradient: dense, nf4_rs through the transposed copy, and it without the decode
 #               -> nf4-profile.ncu-rep, -details.txt, -raw.csv, -sass.csv (the sampled stalls of each SASS line)
 #   lora        benchmarks/lora_kernels.py (fused adapter kernels)   -> <date>-h200-lora-kernels.json
 #               (LORA=--sweep: the tile grid at every shape of a Llama-3.2-1B and Llama-3.1-8B update)

@@ -3,8 +3,10 @@ PTX as compiled, and the same PTX without the `bar.sync` before each ring-slot w
 slot release, or both (the compiler puts one before every mbarrier wait of a chain and every arrive; here
 neither is needed: a slot cannot be refilled before its MMA, which every warp issued, is seen to
 finish). The edited PTX goes in through Triton's IR override, in processes of their own,
-alternated; each checks its bits against `nf4_ws` and times the kernel and dense cuBLAS with the
-host's launches queued ahead of the GPU (no launch cost in the figures) and with do_bench.
+alternated; each checks its bits against `nf4_ws` and times the forward and the input gradient
+against dense cuBLAS with the host's launches queued ahead of the GPU (no launch cost in the
+figures) and with do_bench. `--run plain` alone times the tree on PYTHONPATH (two trees
+alternated: an A/B of the kernel).
 
     python benchmarks/nf4_rs_barriers.py results/<date>-h200-nf4-rs-barriers.json   (GPU machine)
 """
@@ -64,20 +66,21 @@ def run(mode):
     for N, Kin, M in nf4_ws.PROBLEMS:
         p, Wd = nf4_ws.packed(N, Kin)
         wd = Wd.bfloat16()
-        x = torch.randn(M, Kin, device="cuda").bfloat16()
-        t = {}
-        for _ in range(3):                      # alternated, each side's median of its three
-            for name, fn in (("dense", lambda: x @ wd.t()), ("rs", lambda: nf4_rs_matmul(x, p))):
-                t.setdefault(name, []).append(queued(fn))
-        us = {k: sorted(v)[1][0] for k, v in t.items()}
-        host = {k: sorted(v)[1][1] for k, v in t.items()}
-        bench = {"dense": nf4_ws.bench(lambda: x @ wd.t()), "rs": nf4_ws.bench(lambda: nf4_rs_matmul(x, p))}
-        row["problems"].append({"N": N, "K": Kin, "tokens": M, "queued_us": us, "rs_vs_dense": us["rs"] / us["dense"],
-                                "host_us_a_call": host, "do_bench_us": bench,
-                                "do_bench_rs_vs_dense": bench["rs"] / bench["dense"]})
-        print(mode, f"N{N} K{Kin} M{M}: dense {us['dense']:.1f} us, rs {us['rs'] / us['dense']:.3f}x"
-              f" (do_bench {bench['rs'] / bench['dense']:.3f}x; host {host['rs']:.0f} us a call)",
-              file=sys.stderr, flush=True)
+        x, g = torch.randn(M, Kin, device="cuda").bfloat16(), torch.randn(M, N, device="cuda").bfloat16()
+        for trans, a, dense in [(False, x, lambda: x @ wd.t()), (True, g, lambda: g @ wd)]:
+            t = {}
+            for _ in range(3):                      # alternated, each side's median of its three
+                for name, fn in (("dense", dense), ("rs", lambda: nf4_rs_matmul(a, p, trans))):
+                    t.setdefault(name, []).append(queued(fn))
+            us = {k: sorted(v)[1][0] for k, v in t.items()}
+            host = {k: sorted(v)[1][1] for k, v in t.items()}
+            bench = {"dense": nf4_ws.bench(dense), "rs": nf4_ws.bench(lambda: nf4_rs_matmul(a, p, trans))}
+            row["problems"].append({"N": N, "K": Kin, "tokens": M, "input_grad": trans, "queued_us": us,
+                                    "rs_vs_dense": us["rs"] / us["dense"], "host_us_a_call": host,
+                                    "do_bench_us": bench, "do_bench_rs_vs_dense": bench["rs"] / bench["dense"]})
+            print(mode, f"{'input grad' if trans else 'forward'} N{N} K{Kin} M{M}: dense {us['dense']:.1f} us,"
+                  f" rs {us['rs'] / us['dense']:.3f}x (do_bench {bench['rs'] / bench['dense']:.3f}x;"
+                  f" host {host['rs']:.0f} us a call)", file=sys.stderr, flush=True)
     return row
 
 

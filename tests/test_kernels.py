@@ -315,8 +315,10 @@ def test_transposed_copy(double_quant):
     codes_t, absmax_t = K.transposed_copy(w, w.codes)
     assert codes_t.shape == (N * Kin // 2,) and absmax_t.shape == (Kin // 64, N)
     idx = unpack_nibbles(codes_t, N * Kin).view(Kin, N).long()
-    # column n = 64 j + 8 word + 2 t + e of each row of blocks is stored at 64 j + 16 t + 2 word + e
-    at = n // 64 * 64 + n % 8 // 2 * 16 + n % 64 // 8 * 2 + n % 2
+    # column n = 64 j + 8 word + 2 t + e of each row of blocks is stored at
+    # 64 j + 16 (word // 2) + 4 t + 2 (word % 2) + e
+    word = n % 64 // 8
+    at = n // 64 * 64 + word // 2 * 16 + n % 8 // 2 * 4 + word % 2 * 2 + n % 2
     values = NF4_CODEBOOK[idx] * absmax_t[:, at].repeat_interleave(64, dim=0)
     assert torch.equal(values, w.dequantize().t())
     p = K.DevicePacked.from_weight(w, DEV, transposed=True)      # made on a Hopper GPU only

@@ -127,9 +127,10 @@ def transposed_copy(weight: NF4Weight, codes: torch.Tensor) -> tuple[torch.Tenso
     N, K = weight.shape
     codes_t = pack_nibbles(unpack_nibbles(codes, N * K).view(N, K).t())
     absmax_t = weight.block_absmax(0, N * K // NF4_BLOCK).view(N, K // NF4_BLOCK).t()
-    # column 8 w + 2 t + e of each 64 stored at 16 t + 2 w + e: the 16 one thread of the operand
-    # layout multiplies by (t = lane % 4) side by side
-    absmax_t = absmax_t.reshape(K // NF4_BLOCK, N // 64, 8, 4, 2).permute(0, 1, 3, 2, 4)
+    # column 8 w + 2 t + e of each 64 stored at 16 (w // 2) + 4 t + 2 (w % 2) + e: the 16 that one
+    # thread of the operand layout multiplies by (t = lane % 4) in four 16-byte loads, each of which
+    # the 4 threads of a row make from separate banks
+    absmax_t = absmax_t.reshape(K // NF4_BLOCK, N // 64, 4, 2, 4, 2).permute(0, 1, 2, 4, 3, 5)
     return codes_t, absmax_t.reshape(K // NF4_BLOCK, N).to(codes.device).contiguous()
 
 

@@ -70,9 +70,9 @@ def _shuffle_lookup_asm(cvt: str, columns: bool) -> str:
 
 _CVT = {torch.bfloat16: "cvt.rn.bf16x2.f32", torch.float16: "cvt.rn.f16x2.f32"}
 _LOOKUP_IO = gl.constexpr("=r," * 4 + ",".join(["r"] * 40))     # 8 elements a call: 5 inputs of 8
-# the transposed copy's absmax of a step's 64 columns through the ring, stored (t, word, e): a
-# thread's 16 in a row
-_FLAT = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, order=[2, 1, 0]))
+# the transposed copy's absmax of a step's 64 columns through the ring as (word, t, e), stored
+# (word // 2, t, word % 2, e): a thread's 4 of two words side by side (`nf4.transposed_copy`)
+_COLUMNS = gl.constexpr(gl.SharedLinearLayout([[0, 0, 1], [1, 0, 0], [0, 1, 0], [0, 2, 0], [2, 0, 0], [4, 0, 0]]))
 _PLAIN = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)     # its TMA tile as stored
 
 
@@ -120,7 +120,7 @@ def _issue(acc, h, am4, x_bufs, c_bufs, a_bufs, ready, t, e, cb, words_l: gl.con
                                        dtype=gl.float32, is_pure=True, pack=1)
     mbarrier.wait(ready.index(s), (h // S) & 1)
     if COLS:        # an absmax a column: the thread's (word, t, e) of the slot's row of blocks
-        am = a_bufs.index(s).slice(ROW0 // R, 1)._reinterpret(gl.float32, [4, 8, 2], _FLAT).permute((1, 0, 2))
+        am = a_bufs.index(s).slice(ROW0 // R, 1)._reinterpret(gl.float32, [8, 4, 2], _COLUMNS)
         am = gl.expand_dims(am.load(am_l), 0)
     words = gl.expand_dims(gl.expand_dims(c_bufs.index(s).slice(ROW0, R).load(words_l), 2), 3)
     if LOOKUP == "":                # the decode left out (timing only)
