@@ -44,17 +44,13 @@ def run_variant(v):
                     "same_bits_twice": torch.equal(y, nf4_rs_matmul(a, p, trans, **kw)),
                     "bits_of_ws": torch.equal(y, nf4_ws_matmul(a, p, trans))}
     nf4_ws.clocks_up()
-    for N, Kin, M in nf4_ws.PROBLEMS:
-        p, Wd = nf4_ws.packed(N, Kin)
-        wd = Wd.bfloat16()
-        x, g = torch.randn(M, Kin, device="cuda").bfloat16(), torch.randn(M, N, device="cuda").bfloat16()
-        for trans, a, dense in [(False, x, lambda: x @ wd.t()), (True, g, lambda: g @ wd)]:
-            t = {"dense": nf4_ws.bench(dense), "ws": nf4_ws.bench(lambda: nf4_ws_matmul(a, p, trans)),
-                 "rs": nf4_ws.bench(lambda: nf4_rs_matmul(a, p, trans, **kw))}
-            row["problems"].append({"N": N, "K": Kin, "tokens": M, "input_grad": trans, "us": t,
-                                    "ws_vs_dense": t["ws"] / t["dense"], "rs_vs_dense": t["rs"] / t["dense"]})
-            print(VARIANTS[v], f"{'input grad' if trans else 'forward'} N{N} K{Kin} M{M}: dense {t['dense']:.1f} us,"
-                  f" ws {t['ws'] / t['dense']:.3f}x, rs {t['rs'] / t['dense']:.3f}x", file=sys.stderr, flush=True)
+    for N, Kin, M, trans, p, a, dense in nf4_ws.products():
+        t = {"dense": nf4_ws.bench(dense), "ws": nf4_ws.bench(lambda: nf4_ws_matmul(a, p, trans)),
+             "rs": nf4_ws.bench(lambda: nf4_rs_matmul(a, p, trans, **kw))}
+        row["problems"].append({"N": N, "K": Kin, "tokens": M, "input_grad": trans, "us": t,
+                                "ws_vs_dense": t["ws"] / t["dense"], "rs_vs_dense": t["rs"] / t["dense"]})
+        print(VARIANTS[v], f"{'input grad' if trans else 'forward'} N{N} K{Kin} M{M}: dense {t['dense']:.1f} us,"
+              f" ws {t['ws'] / t['dense']:.3f}x, rs {t['rs'] / t['dense']:.3f}x", file=sys.stderr, flush=True)
     return row
 
 

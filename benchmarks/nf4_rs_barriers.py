@@ -63,24 +63,20 @@ def run(mode):
     if mode == "dump":                          # the kernel compiled, for its PTX
         return row
     nf4_ws.clocks_up()
-    for N, Kin, M in nf4_ws.PROBLEMS:
-        p, Wd = nf4_ws.packed(N, Kin)
-        wd = Wd.bfloat16()
-        x, g = torch.randn(M, Kin, device="cuda").bfloat16(), torch.randn(M, N, device="cuda").bfloat16()
-        for trans, a, dense in [(False, x, lambda: x @ wd.t()), (True, g, lambda: g @ wd)]:
-            t = {}
-            for _ in range(3):                      # alternated, each side's median of its three
-                for name, fn in (("dense", dense), ("rs", lambda: nf4_rs_matmul(a, p, trans))):
-                    t.setdefault(name, []).append(queued(fn))
-            us = {k: sorted(v)[1][0] for k, v in t.items()}
-            host = {k: sorted(v)[1][1] for k, v in t.items()}
-            bench = {"dense": nf4_ws.bench(dense), "rs": nf4_ws.bench(lambda: nf4_rs_matmul(a, p, trans))}
-            row["problems"].append({"N": N, "K": Kin, "tokens": M, "input_grad": trans, "queued_us": us,
-                                    "rs_vs_dense": us["rs"] / us["dense"], "host_us_a_call": host,
-                                    "do_bench_us": bench, "do_bench_rs_vs_dense": bench["rs"] / bench["dense"]})
-            print(mode, f"{'input grad' if trans else 'forward'} N{N} K{Kin} M{M}: dense {us['dense']:.1f} us,"
-                  f" rs {us['rs'] / us['dense']:.3f}x (do_bench {bench['rs'] / bench['dense']:.3f}x;"
-                  f" host {host['rs']:.0f} us a call)", file=sys.stderr, flush=True)
+    for N, Kin, M, trans, p, a, dense in nf4_ws.products():
+        t = {}
+        for _ in range(3):                      # alternated, each side's median of its three
+            for name, fn in (("dense", dense), ("rs", lambda: nf4_rs_matmul(a, p, trans))):
+                t.setdefault(name, []).append(queued(fn))
+        us = {k: sorted(v)[1][0] for k, v in t.items()}
+        host = {k: sorted(v)[1][1] for k, v in t.items()}
+        bench = {"dense": nf4_ws.bench(dense), "rs": nf4_ws.bench(lambda: nf4_rs_matmul(a, p, trans))}
+        row["problems"].append({"N": N, "K": Kin, "tokens": M, "input_grad": trans, "queued_us": us,
+                                "rs_vs_dense": us["rs"] / us["dense"], "host_us_a_call": host,
+                                "do_bench_us": bench, "do_bench_rs_vs_dense": bench["rs"] / bench["dense"]})
+        print(mode, f"{'input grad' if trans else 'forward'} N{N} K{Kin} M{M}: dense {us['dense']:.1f} us,"
+              f" rs {us['rs'] / us['dense']:.3f}x (do_bench {bench['rs'] / bench['dense']:.3f}x;"
+              f" host {host['rs']:.0f} us a call)", file=sys.stderr, flush=True)
     return row
 
 

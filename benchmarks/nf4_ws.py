@@ -34,6 +34,17 @@ def bench(fn) -> float:
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3
 
 
+def products():
+    """(N, K, tokens, input gradient?, the packed weight, the activations, dense cuBLAS's product)
+    for each of PROBLEMS, forward then input gradient, on fresh BF16 inputs."""
+    for N, Kin, M in PROBLEMS:
+        p, Wd = packed(N, Kin)
+        wd = Wd.bfloat16()
+        x, g = torch.randn(M, Kin, device="cuda").bfloat16(), torch.randn(M, N, device="cuda").bfloat16()
+        yield N, Kin, M, False, p, x, lambda: x @ wd.t()
+        yield N, Kin, M, True, p, g, lambda: g @ wd
+
+
 def clocks_up():
     """The clocks up before the first row."""
     warm = torch.randn(8192, 8192, device="cuda").bfloat16()

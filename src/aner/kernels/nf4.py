@@ -58,6 +58,11 @@ INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"    # Triton's CPU inter
 MULTIPROCESSORS = 132   # H200/H100 SXM: split-K aims at one wave of >= this many programs
 
 
+def hopper(device: torch.device) -> bool:
+    """Whether `device` is a Hopper GPU, where the Gluon kernels (`nf4_rs`, `nf4_ws`) run."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
+
+
 # ----------------------------------------------------------------------------- packed weight
 
 @dataclass(frozen=True, eq=False)
@@ -91,8 +96,7 @@ class DevicePacked:
         codes = put(weight.codes)
         N, K = weight.shape
         codes_t = absmax_t = None
-        if (transposed and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
-                and N % 64 == 0 and K % 64 == 0):
+        if transposed and hopper(device) and N % 64 == 0 and K % 64 == 0:
             codes_t, absmax_t = transposed_copy(weight, codes)
         return cls(shape=weight.shape, double_quant=weight.double_quant, codes=codes,
                    absmax=put(weight.absmax), absmax_codes=put(weight.absmax_codes),

@@ -31,7 +31,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma, warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from .nf4 import _TABLE_BF16, _TABLE_F16, _TABLE_IO, MULTIPROCESSORS
+from .nf4 import _TABLE_BF16, _TABLE_F16, _TABLE_IO, MULTIPROCESSORS, hopper
 
 BO = 128            # output features a tile
 STEP = 64           # reduced elements a step: one NF4 block of a row forward, 64 rows backward
@@ -270,7 +270,7 @@ def supported(a: torch.Tensor, packed, trans: bool) -> bool:
     (it has no split of the reduced dimension; the Triton kernels do)."""
     N, K = packed.shape
     O = K if trans else N
-    return (a.is_cuda and a.dtype in _GL and torch.cuda.get_device_capability(a.device)[0] == 9
+    return (hopper(a.device) and a.dtype in _GL
             and K % 64 == 0 and (not trans or N % 8 == 0) and a.data_ptr() % 16 == 0
             and -(-a.shape[0] // BM) * -(-O // BO) >= MULTIPROCESSORS)
 
