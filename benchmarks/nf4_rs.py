@@ -18,8 +18,8 @@ import nf4_ws           # benchmarks/nf4_ws.py: the runner of variants in proces
 
 # (ring depth, skip the decode, programs: None = one a tile, steps a group with a MMA in flight); the first is
 # the default
-VARIANTS = [(4, False, K.MULTIPROCESSORS, 4), (4, False, K.MULTIPROCESSORS, 1), (4, False, None, 4),
-            (3, False, K.MULTIPROCESSORS, 4), (4, True, K.MULTIPROCESSORS, 4)]
+VARIANTS = [(4, False, K.MULTIPROCESSORS, 8), (4, False, K.MULTIPROCESSORS, 4), (4, False, K.MULTIPROCESSORS, 1),
+            (4, False, None, 8), (3, False, K.MULTIPROCESSORS, 8), (4, True, K.MULTIPROCESSORS, 8)]
 
 
 def run_variant(v):

@@ -8,7 +8,7 @@ handoff, no decode warps. The first operand being the weight, a program makes ti
 
     y^T (N, M) = W (N, K) @ x^T (K, M)        stored transposed by TMA, so y (M, N) = x @ W^T
 
-    MMA x2    4 warps  64 rows of the tile each, steps 4 at a time: decode a step's rows into
+    MMA x2    4 warps  64 rows of the tile each, steps 8 at a time: decode a step's rows into
                        operand registers while the MMA of the step before runs, issue its MMA
                        (FP32 accumulation), wait for the one before, free its ring slot
     loader    1 warp   a TMA ring of the activation tiles and the code words
@@ -21,12 +21,13 @@ multiplied by its column's.
 An MMA's operand registers may not be written until a wait has seen it finish, and ptxas is not
 bound to keep them from other values: each step's are held past that wait (`_hold`), so two
 steps' operands are live at once, and a group's last MMA is waited for before the next group
-decodes (a value carried around the loop would not hold its MMA's registers). The two warpgroups
-are separate partitions; in the forward a row's 4 lanes load the absmax of 4 steps, one each,
-and shuffle it to the others. A thread of the operand layout holds, of each of its two rows and
-each 16 columns, columns 2t, 2t + 1, 2t + 8, 2t + 9 (t = lane % 4): byte t of each of the row's 8
-code words. A code's value comes from the lane of its number (lane l holds codebook entry l % 16;
-`_shuffle_lookup_asm`), is multiplied by its block's absmax in FP32 and rounded to the operand
+decodes (one left in flight around the loop, ptxas serializes every MMA for want of registers,
+and in the loop's body it puts that wait ahead of the next decode). The two warpgroups
+are separate partitions; in the forward a row's 4 lanes load the absmax of a group's 8 steps, two
+each, and shuffle them to the others. A thread of the operand layout holds, of each of its two
+rows and each 16 columns, columns 2t, 2t + 1, 2t + 8, 2t + 9 (t = lane % 4): byte t of each of the
+row's 8 code words. A code's value comes from the lane of its number (lane l holds codebook entry
+l % 16; `_shuffle_lookup_asm`), is multiplied by its block's absmax in FP32 and rounded to the operand
 dtype: the operand bits are `NF4Weight.dequantize()` rounded, as in every other NF4 kernel, and
 each output is summed in ascending steps by one program, so the bits equal `nf4_ws`'s and the
 same inputs give the same bits on every run. `supported()` says where it applies.
@@ -133,24 +134,29 @@ def _issue(acc, h, am4, x_bufs, c_bufs, a_bufs, ready, t, e, cb, words_l: gl.con
 
 
 @gluon.jit
-def _steps(acc, h, k, am_next, x_bufs, c_bufs, a_bufs, ready, empty, rows, blk, t, e, cb, absmax, acodes, ascales,
-           aoffset, dyncb, N, steps, words_l: gl.constexpr, am_l: gl.constexpr, a_l: gl.constexpr, DQ: gl.constexpr,
-           LOOKUP: gl.constexpr, COLS: gl.constexpr, ROW0: gl.constexpr, U: gl.constexpr):
+def _steps(acc, h, k, am_next, am_next4, x_bufs, c_bufs, a_bufs, ready, empty, rows, blk, t, e, cb, absmax, acodes,
+           ascales, aoffset, dyncb, N, steps, words_l: gl.constexpr, am_l: gl.constexpr, a_l: gl.constexpr,
+           DQ: gl.constexpr, LOOKUP: gl.constexpr, COLS: gl.constexpr, ROW0: gl.constexpr, U: gl.constexpr):
     """Steps k .. k + U - 1 of a warpgroup: each decoded while the MMA of the one before runs, its
     MMA issued before that one is waited for, the last waited for at the end; every step's operand
     registers held until the wait that sees its MMA finish. `am_next` holds the absmax of the
-    group's blocks, step k + t's in lane t of each row (U <= 4); the next group's are loaded here
-    (with COLS each step's come through the ring instead)."""
-    gl.static_assert(U <= 4)
+    group's blocks, step k + t's in lane t of each row, and with U = 8 `am_next4` step k + 4 + t's;
+    the next group's are loaded here (with COLS each step's come through the ring instead). Each
+    group ends waiting for its last MMA, so the longer the group the rarer that drain."""
+    gl.static_assert((U <= 4) | (U == 8))
     am4 = am_next
+    am8 = am_next4
     if not COLS:
         am_next = _absmax(blk + k + U + t, (rows < N) & (k + U + t < steps), absmax, acodes, ascales, aoffset, dyncb,
                           DQ)
+        if U == 8:
+            am_next4 = _absmax(blk + k + U + 4 + t, (rows < N) & (k + U + 4 + t < steps), absmax, acodes, ascales,
+                               aoffset, dyncb, DQ)
     acc, a_prev, s_prev = _issue(acc, h, am4, x_bufs, c_bufs, a_bufs, ready, t, e, cb, words_l, am_l, a_l, LOOKUP,
                                  COLS, ROW0, 0)
     for u in gl.static_range(1, U):
-        acc, a, s = _issue(acc, h + u, am4, x_bufs, c_bufs, a_bufs, ready, t, e, cb, words_l, am_l, a_l, LOOKUP,
-                           COLS, ROW0, u)
+        acc, a, s = _issue(acc, h + u, am4 if u < 4 else am8, x_bufs, c_bufs, a_bufs, ready, t, e, cb, words_l, am_l,
+                           a_l, LOOKUP, COLS, ROW0, u % 4)
         acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
         _hold(a_prev)
         mbarrier.arrive(empty.index(s_prev))
@@ -159,7 +165,7 @@ def _steps(acc, h, k, am_next, x_bufs, c_bufs, a_bufs, ready, empty, rows, blk, 
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
     _hold(a_prev)
     mbarrier.arrive(empty.index(s_prev))
-    return acc, h + U, k + U, am_next
+    return acc, h + U, k + U, am_next, am_next4
 
 
 @gluon.jit
@@ -199,16 +205,20 @@ def _multiply(x_bufs, c_bufs, a_bufs, ready, empty, o_desc, o_buf, absmax, acode
             am_next = (rows * 0).to(gl.float32)     # not used
         else:
             am_next = _absmax(blk + t, (rows < N) & (t < steps), absmax, acodes, ascales, aoffset, dyncb, DQ)
+        am_next4 = am_next
         acc = gl.zeros((R, BTc), dtype=gl.float32, layout=acc_l)
         k = 0
         for i in range(steps % U):          # the steps short of a whole group, one at a time
-            acc, h, k, am_next = _steps(acc, h, k, am_next, x_bufs, c_bufs, a_bufs, ready, empty, rows, blk, t, e, cb,
-                                        absmax, acodes, ascales, aoffset, dyncb, N, steps, words_l, am_l, a_l, DQ,
-                                        LOOKUP, COLS, ROW0, 1)
+            acc, h, k, am_next, am_next4 = _steps(
+                acc, h, k, am_next, am_next4, x_bufs, c_bufs, a_bufs, ready, empty, rows, blk, t, e, cb, absmax, acodes,
+                ascales, aoffset, dyncb, N, steps, words_l, am_l, a_l, DQ, LOOKUP, COLS, ROW0, 1)
+        if (U == 8) & (not COLS):          # the absmax of steps k + 4 + t (lane t of each row)
+            am_next4 = _absmax(blk + k + 4 + t, (rows < N) & (k + 4 + t < steps), absmax, acodes, ascales, aoffset,
+                               dyncb, DQ)
         for i in range(steps // U):
-            acc, h, k, am_next = _steps(acc, h, k, am_next, x_bufs, c_bufs, a_bufs, ready, empty, rows, blk, t, e, cb,
-                                        absmax, acodes, ascales, aoffset, dyncb, N, steps, words_l, am_l, a_l, DQ,
-                                        LOOKUP, COLS, ROW0, U)
+            acc, h, k, am_next, am_next4 = _steps(
+                acc, h, k, am_next, am_next4, x_bufs, c_bufs, a_bufs, ready, empty, rows, blk, t, e, cb, absmax, acodes,
+                ascales, aoffset, dyncb, N, steps, words_l, am_l, a_l, DQ, LOOKUP, COLS, ROW0, U)
         # the tile transposed through shared memory, stored by TMA while the next tile runs
         tma.store_wait(0)
         o_buf.store(gl.permute(acc.to(o_buf.dtype), (1, 0)))
@@ -254,11 +264,11 @@ def supported(x: torch.Tensor, packed, trans: bool = False) -> bool:
     return nf4_ws.supported(x, packed, False) and packed.shape[0] % 8 == 0
 
 
-def specialization(x, words, out, absmax_t=None, stages=4, in_flight=4, skip=False):
+def specialization(x, words, out, absmax_t=None, stages=4, in_flight=8, skip=False):
     """TMA descriptors of x (M, K), the (N, K / 8) int32 code words, the (N / 64, K) FP32 absmax a
     column of a transposed copy (None: the codes' own blocks, along each row) and y (M, N); the
     kernel's compile-time constants (but DQ) and its launch options: a ring `stages` deep, steps
-    `in_flight` (1-4) a group, and `skip` (timing only, wrong values) leaves the decode out. Host
+    `in_flight` (1-4 or 8) a group, and `skip` (timing only, wrong values) leaves the decode out. Host
     tensors give what a compile-only report needs."""
     dt = _GL[x.dtype]
     x_desc = TensorDescriptor.from_tensor(x, [BT, 64], layout((BT, 64), dt))
