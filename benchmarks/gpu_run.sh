@@ -12,6 +12,8 @@
 #                                                                     -> <date>-h200-nf4-rs.json
 #   barriers    benchmarks/nf4_rs_barriers.py (nf4_rs as compiled against its PTX without the MMA partitions'
 #               warpgroup barriers at each ring slot; alternated processes)   -> <date>-h200-nf4-rs-barriers.json
+#   check       benchmarks/nf4_rs_check.py (nf4_rs against nf4_ws, bit for bit, at the shapes training calls
+#               it with: Llama-3.2-1B's and SmolLM2-135M's projections and heads) -> <date>-h200-nf4-rs-check.json
 #   ncu         benchmarks/nf4_profile.py under Nsight Compute (--set full): dense, nf4_rs (and its steps one at a
 #               time, each also without the decode), nf4_ws at 4096 x 4096 x 2048 (NCU="N K M" another shape);
 #               the input gradient: dense, nf4_rs through the transposed copy, and it without the decode
@@ -71,6 +73,8 @@ for stage in "$@"; do
     ws) python3 benchmarks/nf4_ws.py "$OUT/$day-h200-nf4-ws.json" 2>&1 | tee "$OUT/nf4-ws.log" | tail -n 40 ;;
     rs) python3 benchmarks/nf4_rs.py "$OUT/$day-h200-nf4-rs.json" 2>&1 | tee "$OUT/nf4-rs.log" | tail -n 40 ;;
     barriers) python3 benchmarks/nf4_rs_barriers.py "$OUT/$day-h200-nf4-rs-barriers.json" 2>&1 | tee "$OUT/nf4-rs-barriers.log" | tail -n 40 ;;
+    check) PYTHONPATH=$PYTHONPATH:$PWD/benchmarks python3 benchmarks/nf4_rs_check.py "$OUT/$day-h200-nf4-rs-check.json" 2>&1 \
+             | tee "$OUT/nf4-rs-check.log" | tail -n 20 ;;
     ncu) PYTHONPATH=$PYTHONPATH:$PWD/benchmarks ncu --clock-control none --profile-from-start off --set full \
            --import-source no -f -o "$OUT/nf4-profile" python3 benchmarks/nf4_profile.py ${NCU:-} 2>&1 | tail -n 5
          ncu -i "$OUT/nf4-profile.ncu-rep" --page details --print-details all > "$OUT/nf4-profile-details.txt"

@@ -11,7 +11,8 @@ handoff, no decode warps. The first operand being the weight, a program makes ti
     MMA x2    4 warps  64 rows of the tile each, steps 8 at a time: decode a step's rows into
                        operand registers while the MMA of the step before runs, issue its MMA
                        (FP32 accumulation), wait for the one before, free its ring slot
-    loader    1 warp   a TMA ring of the activation tiles and the code words
+    loader    1 warp   a TMA ring, each slot a step's activation tile and the next step's code
+                       words: a step's words are read from shared memory a step before their decode
 
 The input gradient dx = g @ W is the same product of g and W^T, whose blocks run down its
 columns: it reads the device copy's transposed codes (`DevicePacked.codes_t`) and with each
@@ -78,26 +79,42 @@ _PLAIN = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
 
 
 @gluon.jit
-def _loads(x_desc, c_desc, a_desc, x_bufs, c_bufs, a_bufs, ready, empty, M, N, steps, GROUP: gl.constexpr,
-           COLS: gl.constexpr):
-    """The loader warp: every step's activation tile and code words (and with COLS the absmax of
-    the step's columns) into the ring."""
+def _loads(x_desc, c_desc, a_desc, x_bufs, c_bufs, a_bufs, c_first, a_first, ready, empty, M, N, steps,
+           GROUP: gl.constexpr, COLS: gl.constexpr):
+    """The loader warp: into slot h % S of the ring, step h's activation tile and step h + 1's code
+    words (with COLS and the absmax of its columns), so that the MMA warps read a step's words a step
+    before they decode it; the program's first step's come with its first slot, into c_first (a_first)."""
     S: gl.constexpr = x_bufs.type.shape[0]
     BTc: gl.constexpr = x_desc.block_type.shape[0]
     BFc: gl.constexpr = c_desc.block_type.shape[0]
-    nbytes: gl.constexpr = x_desc.block_type.nbytes + c_desc.block_type.nbytes + (a_desc.block_type.nbytes if COLS
-                                                                                  else 0)
+    xbytes: gl.constexpr = x_desc.block_type.nbytes
+    wbytes: gl.constexpr = c_desc.block_type.nbytes + (a_desc.block_type.nbytes if COLS else 0)
+    tiles = gl.cdiv(M, BTc) * gl.cdiv(N, BFc)
     h = 0
-    for tile in range(gl.program_id(0), gl.cdiv(M, BTc) * gl.cdiv(N, BFc), gl.num_programs(0)):
+    for tile in range(gl.program_id(0), tiles, gl.num_programs(0)):
         off_m, off_n = _tile(tile, M, N, BTc, BFc, GROUP)
+        more = tile + gl.num_programs(0) < tiles
+        next_n = _tile(tile + gl.num_programs(0), M, N, BTc, BFc, GROUP)[1]
         for i in range(steps):
             s = h % S
+            ahead = (i + 1 < steps) | more              # a step after this one: its words, at (wn, wi)
+            wn = gl.where(i + 1 < steps, off_n, next_n)
+            wi = gl.where(i + 1 < steps, i + 1, 0)
+            first = h == 0
+            later = h != 0
             mbarrier.wait(empty.index(s), ((h // S) & 1) ^ 1)
-            mbarrier.expect(ready.index(s), nbytes)
+            # one of the four: the slot's bytes with or without the next step's words, and the first's
+            mbarrier.expect(ready.index(s), xbytes + wbytes, pred=ahead & later)
+            mbarrier.expect(ready.index(s), xbytes + 2 * wbytes, pred=ahead & first)
+            mbarrier.expect(ready.index(s), xbytes, pred=(not ahead) & later)
+            mbarrier.expect(ready.index(s), xbytes + wbytes, pred=(not ahead) & first)
             tma.async_copy_global_to_shared(x_desc, [off_m, i * STEP], ready.index(s), x_bufs.index(s))
-            tma.async_copy_global_to_shared(c_desc, [off_n, i * 8], ready.index(s), c_bufs.index(s))
+            tma.async_copy_global_to_shared(c_desc, [wn, wi * 8], ready.index(s), c_bufs.index(s), pred=ahead)
+            tma.async_copy_global_to_shared(c_desc, [off_n, 0], ready.index(s), c_first, pred=first)
             if COLS:
-                tma.async_copy_global_to_shared(a_desc, [off_n // 64, i * STEP], ready.index(s), a_bufs.index(s))
+                tma.async_copy_global_to_shared(a_desc, [wn // 64, wi * STEP], ready.index(s), a_bufs.index(s),
+                                                pred=ahead)
+                tma.async_copy_global_to_shared(a_desc, [off_n // 64, 0], ready.index(s), a_first, pred=first)
             h += 1
 
 
@@ -109,33 +126,45 @@ def _hold(a):
 
 
 @gluon.jit
-def _issue(acc, h, am4, x_bufs, c_bufs, a_bufs, ready, t, e, cb, words_l: gl.constexpr, am_l: gl.constexpr,
+def _ahead(c_buf, a_buf, amc, words_l: gl.constexpr, am_l: gl.constexpr, COLS: gl.constexpr, ROW0: gl.constexpr):
+    """A step's code words of the warpgroup's rows from c_buf, and with COLS the absmax of its
+    columns (the thread's (word, t, e) of the row of blocks) from a_buf; without COLS amc as given."""
+    R: gl.constexpr = 64
+    words = c_buf.slice(ROW0, R).load(words_l)
+    if COLS:
+        amc = gl.expand_dims(a_buf.slice(ROW0 // R, 1)._reinterpret(gl.float32, [8, 4, 2], _COLUMNS).load(am_l), 0)
+    return words, amc
+
+
+@gluon.jit
+def _issue(acc, h, am4, wn, amc, x_bufs, c_bufs, a_bufs, ready, t, e, cb, words_l: gl.constexpr, am_l: gl.constexpr,
            a_l: gl.constexpr, LOOKUP: gl.constexpr, COLS: gl.constexpr, ROW0: gl.constexpr, u: gl.constexpr):
-    """Step u of a group: its slot waited for, its rows decoded into operand registers, its MMA
-    issued -> (acc, the operand, the slot)."""
+    """Step u of a group, its code words wn (with COLS and absmax amc) read a step before: its slot
+    waited for, the next step's read from it, its rows decoded into operand registers, its MMA
+    issued -> (acc, the operand, the slot, the next step's words and absmax)."""
     S: gl.constexpr = x_bufs.type.shape[0]
     R: gl.constexpr = 64
     s = h % S
-    if not COLS:    # the step's absmax from lane t = u of each row: a shuffle within each 4 lanes
+    if COLS:
+        am = amc
+    else:           # the step's absmax from lane t = u of each row: a shuffle within each 4 lanes
         am = gl.inline_asm_elementwise("shfl.sync.idx.b32 $0, $1, $2, 0x1c03, -1;", "=r,r,r", [am4, t * 0 + u],
                                        dtype=gl.float32, is_pure=True, pack=1)
     mbarrier.wait(ready.index(s), (h // S) & 1)
-    if COLS:        # an absmax a column: the thread's (word, t, e) of the slot's row of blocks
-        am = a_bufs.index(s).slice(ROW0 // R, 1)._reinterpret(gl.float32, [8, 4, 2], _COLUMNS)
-        am = gl.expand_dims(am.load(am_l), 0)
-    words = gl.expand_dims(gl.expand_dims(c_bufs.index(s).slice(ROW0, R).load(words_l), 2), 3)
+    words = gl.expand_dims(gl.expand_dims(wn, 2), 3)
+    wn, amc = _ahead(c_bufs.index(s), a_bufs.index(s), amc, words_l, am_l, COLS, ROW0)
     if LOOKUP == "":                # the decode left out (timing only)
         v = (words + t + e).to(x_bufs.dtype)
     else:
         v = gl.inline_asm_elementwise(LOOKUP, _LOOKUP_IO, [words, t, am, cb, e], dtype=x_bufs.dtype, is_pure=True,
                                       pack=8)
     a = gl.convert_layout(gl.reshape(v, [R, STEP]), a_l, assert_trivial=True)
-    return warpgroup_mma(a, x_bufs.index(s).permute((1, 0)), acc, is_async=True), a, s
+    return warpgroup_mma(a, x_bufs.index(s).permute((1, 0)), acc, is_async=True), a, s, wn, amc
 
 
 @gluon.jit
-def _steps(acc, h, k, am_next, am_next4, x_bufs, c_bufs, a_bufs, ready, empty, rows, blk, t, e, cb, absmax, acodes,
-           ascales, aoffset, dyncb, N, steps, words_l: gl.constexpr, am_l: gl.constexpr, a_l: gl.constexpr,
+def _steps(acc, h, k, am_next, am_next4, wn, amc, x_bufs, c_bufs, a_bufs, ready, empty, rows, blk, t, e, cb, absmax,
+           acodes, ascales, aoffset, dyncb, N, steps, words_l: gl.constexpr, am_l: gl.constexpr, a_l: gl.constexpr,
            DQ: gl.constexpr, LOOKUP: gl.constexpr, COLS: gl.constexpr, ROW0: gl.constexpr, U: gl.constexpr):
     """Steps k .. k + U - 1 of a warpgroup: each decoded while the MMA of the one before runs, its
     MMA issued before that one is waited for, the last waited for at the end; every step's operand
@@ -152,11 +181,11 @@ def _steps(acc, h, k, am_next, am_next4, x_bufs, c_bufs, a_bufs, ready, empty, r
         if U == 8:
             am_next4 = _absmax(blk + k + U + 4 + t, (rows < N) & (k + U + 4 + t < steps), absmax, acodes, ascales,
                                aoffset, dyncb, DQ)
-    acc, a_prev, s_prev = _issue(acc, h, am4, x_bufs, c_bufs, a_bufs, ready, t, e, cb, words_l, am_l, a_l, LOOKUP,
-                                 COLS, ROW0, 0)
+    acc, a_prev, s_prev, wn, amc = _issue(acc, h, am4, wn, amc, x_bufs, c_bufs, a_bufs, ready, t, e, cb, words_l,
+                                          am_l, a_l, LOOKUP, COLS, ROW0, 0)
     for u in gl.static_range(1, U):
-        acc, a, s = _issue(acc, h + u, am4 if u < 4 else am8, x_bufs, c_bufs, a_bufs, ready, t, e, cb, words_l, am_l,
-                           a_l, LOOKUP, COLS, ROW0, u % 4)
+        acc, a, s, wn, amc = _issue(acc, h + u, am4 if u < 4 else am8, wn, amc, x_bufs, c_bufs, a_bufs, ready, t, e,
+                                    cb, words_l, am_l, a_l, LOOKUP, COLS, ROW0, u % 4)
         acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
         _hold(a_prev)
         mbarrier.arrive(empty.index(s_prev))
@@ -165,13 +194,13 @@ def _steps(acc, h, k, am_next, am_next4, x_bufs, c_bufs, a_bufs, ready, empty, r
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
     _hold(a_prev)
     mbarrier.arrive(empty.index(s_prev))
-    return acc, h + U, k + U, am_next, am_next4
+    return acc, h + U, k + U, am_next, am_next4, wn, amc
 
 
 @gluon.jit
-def _multiply(x_bufs, c_bufs, a_bufs, ready, empty, o_desc, o_buf, absmax, acodes, ascales, aoffset, nf4cb, dyncb, M,
-              N, K, steps, GROUP: gl.constexpr, DQ: gl.constexpr, LOOKUP: gl.constexpr, COLS: gl.constexpr,
-              U: gl.constexpr, ROW0: gl.constexpr):
+def _multiply(x_bufs, c_bufs, a_bufs, c_first, a_first, ready, empty, o_desc, o_buf, absmax, acodes, ascales, aoffset,
+              nf4cb, dyncb, M, N, K, steps, GROUP: gl.constexpr, DQ: gl.constexpr, LOOKUP: gl.constexpr,
+              COLS: gl.constexpr, U: gl.constexpr, ROW0: gl.constexpr):
     """A warpgroup: rows ROW0 .. ROW0 + 63 of every tile of the program, its steps U at a time."""
     BTc: gl.constexpr = x_bufs.type.shape[1]
     BFc: gl.constexpr = c_bufs.type.shape[1]
@@ -196,6 +225,9 @@ def _multiply(x_bufs, c_bufs, a_bufs, ready, empty, o_desc, o_buf, absmax, acode
     # lane l = t + 4 (row % 8) holds codebook entry l % 16
     cb = gl.load(nf4cb + t + 4 * gl.expand_dims(gl.expand_dims(gl.expand_dims(r % 4, 1), 2), 3))
     KB = K // 64
+    # the program's first step's words (and absmax: without COLS a placeholder), come with its first slot
+    mbarrier.wait(ready.index(0), 0)
+    wn, amc = _ahead(c_first, a_first, t * 0.0, words_l, am_l, COLS, ROW0)
     h = 0
     for tile in range(gl.program_id(0), gl.cdiv(M, BTc) * gl.cdiv(N, BFc), gl.num_programs(0)):
         off_m, off_n = _tile(tile, M, N, BTc, BFc, GROUP)
@@ -209,16 +241,16 @@ def _multiply(x_bufs, c_bufs, a_bufs, ready, empty, o_desc, o_buf, absmax, acode
         acc = gl.zeros((R, BTc), dtype=gl.float32, layout=acc_l)
         k = 0
         for i in range(steps % U):          # the steps short of a whole group, one at a time
-            acc, h, k, am_next, am_next4 = _steps(
-                acc, h, k, am_next, am_next4, x_bufs, c_bufs, a_bufs, ready, empty, rows, blk, t, e, cb, absmax, acodes,
-                ascales, aoffset, dyncb, N, steps, words_l, am_l, a_l, DQ, LOOKUP, COLS, ROW0, 1)
+            acc, h, k, am_next, am_next4, wn, amc = _steps(
+                acc, h, k, am_next, am_next4, wn, amc, x_bufs, c_bufs, a_bufs, ready, empty, rows, blk, t, e, cb,
+                absmax, acodes, ascales, aoffset, dyncb, N, steps, words_l, am_l, a_l, DQ, LOOKUP, COLS, ROW0, 1)
         if (U == 8) & (not COLS):          # the absmax of steps k + 4 + t (lane t of each row)
             am_next4 = _absmax(blk + k + 4 + t, (rows < N) & (k + 4 + t < steps), absmax, acodes, ascales, aoffset,
                                dyncb, DQ)
         for i in range(steps // U):
-            acc, h, k, am_next, am_next4 = _steps(
-                acc, h, k, am_next, am_next4, x_bufs, c_bufs, a_bufs, ready, empty, rows, blk, t, e, cb, absmax, acodes,
-                ascales, aoffset, dyncb, N, steps, words_l, am_l, a_l, DQ, LOOKUP, COLS, ROW0, U)
+            acc, h, k, am_next, am_next4, wn, amc = _steps(
+                acc, h, k, am_next, am_next4, wn, amc, x_bufs, c_bufs, a_bufs, ready, empty, rows, blk, t, e, cb,
+                absmax, acodes, ascales, aoffset, dyncb, N, steps, words_l, am_l, a_l, DQ, LOOKUP, COLS, ROW0, U)
         # the tile transposed through shared memory, stored by TMA while the next tile runs
         tma.store_wait(0)
         o_buf.store(gl.permute(acc.to(o_buf.dtype), (1, 0)))
@@ -235,10 +267,13 @@ def _nf4_rs_kernel(x_desc, c_desc, a_desc, o_desc, absmax, acodes, ascales, aoff
     walks the tiles pid, pid + programs, ..., its steps numbered across them."""
     x_bufs = gl.allocate_shared_memory(x_desc.dtype, [S] + x_desc.block_type.shape, x_desc.layout)
     c_bufs = gl.allocate_shared_memory(c_desc.dtype, [S] + c_desc.block_type.shape, c_desc.layout)
+    c_first = gl.allocate_shared_memory(c_desc.dtype, c_desc.block_type.shape, c_desc.layout)
     if COLS:
         a_bufs = gl.allocate_shared_memory(a_desc.dtype, [S] + a_desc.block_type.shape, a_desc.layout)
+        a_first = gl.allocate_shared_memory(a_desc.dtype, a_desc.block_type.shape, a_desc.layout)
     else:
         a_bufs = c_bufs                                   # not used
+        a_first = c_first
     o_bufs = gl.allocate_shared_memory(o_desc.dtype, [2] + o_desc.block_type.shape, o_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [S, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [S, 1], mbarrier.MBarrierLayout())
@@ -246,11 +281,12 @@ def _nf4_rs_kernel(x_desc, c_desc, a_desc, o_desc, absmax, acodes, ascales, aoff
         mbarrier.init(ready.index(s), count=1)
         mbarrier.init(empty.index(s), count=2)            # both warpgroups read a slot
     gl.warp_specialize([
-        (_multiply, (x_bufs, c_bufs, a_bufs, ready, empty, o_desc, o_bufs.index(0), absmax, acodes, ascales, aoffset,
-                     nf4cb, dyncb, M, N, K, steps, GROUP, DQ, LOOKUP, COLS, U, 0)),
-        (_multiply, (x_bufs, c_bufs, a_bufs, ready, empty, o_desc, o_bufs.index(1), absmax, acodes, ascales, aoffset,
-                     nf4cb, dyncb, M, N, K, steps, GROUP, DQ, LOOKUP, COLS, U, 64)),
-        (_loads, (x_desc, c_desc, a_desc, x_bufs, c_bufs, a_bufs, ready, empty, M, N, steps, GROUP, COLS)),
+        (_multiply, (x_bufs, c_bufs, a_bufs, c_first, a_first, ready, empty, o_desc, o_bufs.index(0), absmax, acodes,
+                     ascales, aoffset, nf4cb, dyncb, M, N, K, steps, GROUP, DQ, LOOKUP, COLS, U, 0)),
+        (_multiply, (x_bufs, c_bufs, a_bufs, c_first, a_first, ready, empty, o_desc, o_bufs.index(1), absmax, acodes,
+                     ascales, aoffset, nf4cb, dyncb, M, N, K, steps, GROUP, DQ, LOOKUP, COLS, U, 64)),
+        (_loads, (x_desc, c_desc, a_desc, x_bufs, c_bufs, a_bufs, c_first, a_first, ready, empty, M, N, steps, GROUP,
+                  COLS)),
     ], [4, 1], [232, 40])
 
 
