@@ -44,7 +44,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from . import nf4_ws
 from .nf4 import MULTIPROCESSORS
-from .nf4_ws import _GL, _absmax, _tile, layout
+from .nf4_ws import _GL, _absmax, _at, _tile, layout
 
 BF = nf4_ws.BO      # output features a tile (128): two warpgroups of 64 rows
 BT = nf4_ws.BM      # tokens a tile (256)
@@ -93,20 +93,16 @@ def _loads(x_desc, c_desc, a_desc, x_bufs, c_bufs, a_bufs, c_first, a_first, rea
     h = 0
     for tile in range(gl.program_id(0), tiles, gl.num_programs(0)):
         off_m, off_n = _tile(tile, M, N, BTc, BFc, GROUP)
-        more = tile + gl.num_programs(0) < tiles
-        next_n = _tile(tile + gl.num_programs(0), M, N, BTc, BFc, GROUP)[1]
         for i in range(steps):
             s = h % S
-            ahead = (i + 1 < steps) | more              # a step after this one: its words, at (wn, wi)
-            wn = gl.where(i + 1 < steps, off_n, next_n)
-            wi = gl.where(i + 1 < steps, i + 1, 0)
+            wi, wt, _, wn = _at(h + 1, steps, M, N, BTc, BFc, GROUP)
+            ahead = wt < tiles                          # a step after this one: its words, at (wn, wi)
             first = h == 0
-            later = h != 0
             mbarrier.wait(empty.index(s), ((h // S) & 1) ^ 1)
             # one of the four: the slot's bytes with or without the next step's words, and the first's
-            mbarrier.expect(ready.index(s), xbytes + wbytes, pred=ahead & later)
+            mbarrier.expect(ready.index(s), xbytes + wbytes, pred=ahead & (not first))
             mbarrier.expect(ready.index(s), xbytes + 2 * wbytes, pred=ahead & first)
-            mbarrier.expect(ready.index(s), xbytes, pred=(not ahead) & later)
+            mbarrier.expect(ready.index(s), xbytes, pred=(not ahead) & (not first))
             mbarrier.expect(ready.index(s), xbytes + wbytes, pred=(not ahead) & first)
             tma.async_copy_global_to_shared(x_desc, [off_m, i * STEP], ready.index(s), x_bufs.index(s))
             tma.async_copy_global_to_shared(c_desc, [wn, wi * 8], ready.index(s), c_bufs.index(s), pred=ahead)
