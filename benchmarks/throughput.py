@@ -183,7 +183,7 @@ def ours(combo: str, steps=40, warmup=3) -> dict:
     result = {"side": "ours", "model": model, "method": method,
               "tokens_per_s": steps * BATCH * SEQ / sum(step_seconds),
               "peak_bytes": torch.cuda.max_memory_allocated(), "admitted_bytes": admitted, "step_seconds": step_seconds,
-              "update_ends": walls[warmup - 1:],
+              "update_ends": walls[warmup - 1:], "warmup_losses": list(m._state.losses[:warmup]),
               "losses": losses, "finite": all(map(math.isfinite, losses)),
               "loss_fell": losses[-1] < losses[0], "parameters": m.parameters(), "micro_batch": state.run.micro_batch,
               "clip_norm": state.run.clip_norm,
