@@ -12,6 +12,8 @@
 #                                                                     -> <date>-h200-nf4-rs.json
 #   barriers    benchmarks/nf4_rs_barriers.py (nf4_rs as compiled against its PTX without the MMA partitions'
 #               warpgroup barriers at each ring slot; alternated processes)   -> <date>-h200-nf4-rs-barriers.json
+#   partial     benchmarks/nf4_rs_partial.py (nf4_rs timed with 4, 3, 2 and 0 of each lookup's four code words
+#               decoded, the rest handed to the MMA undecoded; timing only)  -> <date>-h200-nf4-rs-partial.json
 #   check       benchmarks/nf4_rs_check.py (nf4_rs against nf4_ws, bit for bit, at the shapes training calls
 #               it with: Llama-3.2-1B's and SmolLM2-135M's projections and heads) -> <date>-h200-nf4-rs-check.json
 #   ncu         benchmarks/nf4_profile.py under Nsight Compute (--set full): dense, nf4_rs (and its steps one at a
@@ -73,6 +75,7 @@ for stage in "$@"; do
     ws) python3 benchmarks/nf4_ws.py "$OUT/$day-h200-nf4-ws.json" 2>&1 | tee "$OUT/nf4-ws.log" | tail -n 40 ;;
     rs) python3 benchmarks/nf4_rs.py "$OUT/$day-h200-nf4-rs.json" 2>&1 | tee "$OUT/nf4-rs.log" | tail -n 40 ;;
     barriers) python3 benchmarks/nf4_rs_barriers.py "$OUT/$day-h200-nf4-rs-barriers.json" 2>&1 | tee "$OUT/nf4-rs-barriers.log" | tail -n 40 ;;
+    partial) python3 benchmarks/nf4_rs_partial.py "$OUT/$day-h200-nf4-rs-partial.json" 2>&1 | tee "$OUT/nf4-rs-partial.log" | tail -n 40 ;;
     check) PYTHONPATH=$PYTHONPATH:$PWD/benchmarks python3 benchmarks/nf4_rs_check.py "$OUT/$day-h200-nf4-rs-check.json" 2>&1 \
              | tee "$OUT/nf4-rs-check.log" | tail -n 20 ;;
     ncu) PYTHONPATH=$PYTHONPATH:$PWD/benchmarks ncu --clock-control none --profile-from-start off --set full \
