@@ -13,7 +13,9 @@
 #   barriers    benchmarks/nf4_rs_barriers.py (nf4_rs as compiled against its PTX without the MMA partitions'
 #               warpgroup barriers at each ring slot; alternated processes)   -> <date>-h200-nf4-rs-barriers.json
 #   partial     benchmarks/nf4_rs_partial.py (nf4_rs timed with 4, 3, 2 and 0 of each lookup's four code words
-#               decoded, the rest handed to the MMA undecoded; timing only)  -> <date>-h200-nf4-rs-partial.json
+#               decoded, the rest handed to the MMA undecoded, and with the second warpgroup's decode left
+#               out; timing only: whether a warp's latency or the shuffles' throughput sets the pace)
+#                                                                     -> <date>-h200-nf4-rs-partial.json
 #   check       benchmarks/nf4_rs_check.py (nf4_rs against nf4_ws, bit for bit, at the shapes training calls
 #               it with: Llama-3.2-1B's and SmolLM2-135M's projections and heads) -> <date>-h200-nf4-rs-check.json
 #   ncu         benchmarks/nf4_profile.py under Nsight Compute (--set full): dense, nf4_rs (and its steps one at a

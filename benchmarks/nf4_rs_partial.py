@@ -1,23 +1,31 @@
 """How the register-operand products' time falls with the decode each MMA warp does (timing only:
 wrong values). Of the four code words a thread decodes in one lookup, the first `d` are decoded
-as always and the rest handed to the MMA undecoded (no shift, shuffle, multiply or rounding);
-d = 4 (the kernel), 3, 2 and 0, each in a process of its own, alternated twice; each times the
-forward and the input gradient against dense cuBLAS as `nf4_rs_barriers.py --run plain` does
-(launches queued behind the GPU). If a quarter less decode a warp brings the products near the
-MMA's pace, a part of each step decoded by other warps through shared memory could too; if the
-time falls with the decode only slowly, the shuffles' throughput, not a warp's latency, sets it.
+as always and the rest handed to the MMA undecoded (no shift, shuffle, multiply or rounding):
+d = 4 (the kernel), 3, 2 and 0; and "one": the first warpgroup decodes all its words, the second
+none (a copy of the source with the second partition's lookup left out). Each in a process of its
+own, alternated twice; each times the forward and the input gradient against dense cuBLAS as
+`nf4_rs_barriers.py --run plain` does (launches queued behind the GPU).
+
+What it says: the two warpgroups take each ring slot in step, so the pace is the slower one's.
+With "one" the multiprocessor runs half the shuffles while the first warpgroup's decode is what it
+was: if "one" is as slow as d = 4, a warp's own latency sets the pace, and a part of each step
+decoded by other warps (through shared memory) would gain about what d = 3 gains; if "one" is
+much faster, the shuffles' throughput across the multiprocessor sets it, and moving them to other
+warps gains nothing.
 
     python benchmarks/nf4_rs_partial.py results/<date>-h200-nf4-rs-partial.json     (GPU machine)
 """
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 
 import torch
 
-DECODED = [4, 3, 2, 0]
+RUNS = ["4", "3", "2", "0", "one"]
 
 
 def undecoded(d: int):
@@ -35,22 +43,38 @@ def undecoded(d: int):
     nf4_rs._shuffle_lookup_asm = partial
 
 
+def one_decodes(root: str) -> str:
+    """A copy of the package under root whose kernel's second warpgroup leaves its decode out."""
+    import aner
+    src = os.path.dirname(os.path.dirname(aner.__file__))
+    shutil.copytree(os.path.join(src, "aner"), os.path.join(root, "aner"))
+    path = os.path.join(root, "aner", "kernels", "nf4_rs.py")
+    text, n = re.subn(r"DQ, LOOKUP, COLS, U, 64\)", 'DQ, "", COLS, U, 64)', open(path).read())
+    assert n == 1
+    open(path, "w").write(text)
+    return root
+
+
 def main():
     if sys.argv[1] == "--run":
         import nf4_rs_barriers
-        d = int(sys.argv[2])
-        undecoded(d)
-        print(json.dumps(dict(nf4_rs_barriers.run(f"decoded {d} of 4"), decoded=d)))
+        run = sys.argv[2]
+        if run != "one":
+            undecoded(int(run))
+        print(json.dumps(dict(nf4_rs_barriers.run(f"decoded {run}"), decoded=run)))
         return
     here = os.path.dirname(os.path.abspath(__file__))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([here, os.environ.get("PYTHONPATH", "")]))
+    path = os.environ.get("PYTHONPATH", "")
+    one = one_decodes(tempfile.mkdtemp())
     rows = []
     for _ in range(2):
-        for d in DECODED:
-            done = subprocess.run([sys.executable, __file__, "--run", str(d)], text=True, capture_output=True, env=env)
+        for run in RUNS:
+            first = [one] if run == "one" else []
+            env = dict(os.environ, PYTHONPATH=os.pathsep.join(first + [here, path]))
+            done = subprocess.run([sys.executable, __file__, "--run", run], text=True, capture_output=True, env=env)
             sys.stderr.write(done.stderr[-2500:])
             rows.append(json.loads(done.stdout.splitlines()[-1]) if done.returncode == 0 else
-                        {"decoded": d, "error": done.stderr[-1500:]})
+                        {"decoded": run, "error": done.stderr[-1500:]})
     with open(sys.argv[1], "w") as f:
         json.dump({"device": torch.cuda.get_device_name(), "runs": rows}, f, indent=1)
 
