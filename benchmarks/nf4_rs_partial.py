@@ -28,6 +28,29 @@ import torch
 RUNS = ["4", "3", "2", "0", "one"]
 
 
+def through_shared(n: int):
+    """`_shuffle_lookup_asm` with the last n words of each lookup read from shared memory instead of
+    shuffled: lane l reads bank l at (code << 7) + 4 l from the start of the kernel's shared memory
+    (whatever is there: timing only), so that a warp's 32 reads are one conflict-free wavefront, as
+    a codebook copied once for each bank would be. Whether a shuffle and a shared-memory read
+    share what sets the pace: if these are as slow as the shuffles, they do."""
+    from aner.kernels import nf4_rs
+    lookup = nf4_rs._shuffle_lookup_asm
+
+    def shared(cvt, columns):
+        text = lookup(cvt, columns).replace(
+            "shl.b32 sh, $12, 3;", ".reg .b32 lb, gs, al, ah;\nmov.u32 lb, %laneid;\nmov.u32 gs, global_smem;\n"
+            "shl.b32 lb, lb, 2;\nadd.u32 lb, lb, gs;\nshl.b32 sh, $12, 3;")
+        for i in range(4 - n, 4):
+            text, k = re.subn(rf"(shr\.b32 lo, \${4 + 2 * i}, sh;\nshr\.b32 hi, lo, 4;\n)"
+                              r"shfl\.sync\.idx\.b32 vl, \$28, lo, 0x100f, -1;\nshfl\.sync\.idx\.b32 vh, \$28, hi, 0x100f, -1;",
+                              r"\1and.b32 al, lo, 15;\nshl.b32 al, al, 7;\nadd.u32 al, al, lb;\nld.shared.f32 vl, [al];\n"
+                              r"and.b32 ah, hi, 15;\nshl.b32 ah, ah, 7;\nadd.u32 ah, ah, lb;\nld.shared.f32 vh, [ah];", text)
+            assert k == 1, (i, text)
+        return text
+    nf4_rs._shuffle_lookup_asm = shared
+
+
 def undecoded(d: int):
     """`_shuffle_lookup_asm` with words d .. 3 of each lookup passed through undecoded."""
     from aner.kernels import nf4_rs
@@ -59,7 +82,9 @@ def main():
     if sys.argv[1] == "--run":
         import nf4_rs_barriers
         run = sys.argv[2]
-        if run != "one":
+        if run.startswith("shared"):
+            through_shared(int(run[len("shared"):]))
+        elif run != "one":
             undecoded(int(run))
         print(json.dumps(dict(nf4_rs_barriers.run(f"decoded {run}"), decoded=run)))
         return
@@ -68,7 +93,7 @@ def main():
     one = one_decodes(tempfile.mkdtemp())
     rows = []
     for _ in range(2):
-        for run in RUNS:
+        for run in sys.argv[2:] or RUNS:
             first = [one] if run == "one" else []
             env = dict(os.environ, PYTHONPATH=os.pathsep.join(first + [here, path]))
             done = subprocess.run([sys.executable, __file__, "--run", run], text=True, capture_output=True, env=env)
