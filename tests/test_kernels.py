@@ -308,18 +308,20 @@ def test_embedding_bit_exact(shape, double_quant, lut):
 
 @pytest.mark.parametrize("double_quant", [False, True], ids=["plain", "dq"])
 def test_transposed_copy(double_quant):
-    """The input gradient's transposed copy holds W^T's codes and each element's block absmax: its
-    values are dequantize()'s transposed, bit for bit; the device copy counts its bytes."""
+    """The input gradient's transposed copy holds W^T's codes and each element's block absmax, each in
+    the order the kernel's threads read them: its values are dequantize()'s transposed, bit for bit;
+    the device copy counts its bytes."""
     w = NF4Weight.quantize(torch.randn(192, 128) * 0.02, double_quant=double_quant)
     (N, Kin), n = w.shape, torch.arange(192)
     codes_t, absmax_t = K.transposed_copy(w, w.codes)
     assert codes_t.shape == (N * Kin // 2,) and absmax_t.shape == (Kin // 64, N)
     idx = unpack_nibbles(codes_t, N * Kin).view(Kin, N).long()
-    # column n = 64 j + 8 word + 2 t + e of each row of blocks is stored at
-    # 64 j + 16 (word // 2) + 4 t + 2 (word % 2) + e
-    word = n % 64 // 8
-    at = n // 64 * 64 + word // 2 * 16 + n % 8 // 2 * 4 + word % 2 * 2 + n % 2
-    values = NF4_CODEBOOK[idx] * absmax_t[:, at].repeat_interleave(64, dim=0)
+    # column n = 64 j + 8 word + 2 t + e of each row of blocks: its code stored at 64 j + 16 t + 2 word + e,
+    # its absmax at 64 j + 16 (word // 2) + 4 t + 2 (word % 2) + e
+    word, t = n % 64 // 8, n % 8 // 2
+    code_at = n // 64 * 64 + t * 16 + word * 2 + n % 2
+    at = n // 64 * 64 + word // 2 * 16 + t * 4 + word % 2 * 2 + n % 2
+    values = NF4_CODEBOOK[idx[:, code_at]] * absmax_t[:, at].repeat_interleave(64, dim=0)
     assert torch.equal(values, w.dequantize().t())
     p = K.DevicePacked.from_weight(w, DEV, transposed=True)      # made on a Hopper GPU only
     assert (p.codes_t is not None) == HOPPER

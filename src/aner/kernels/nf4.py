@@ -78,7 +78,7 @@ class DevicePacked:
     nf4_codebook: torch.Tensor                  # (16,) float32
     dynamic8_codebook: torch.Tensor             # (256,) float32
     # the transposed copy, for the input gradient with the weight as the MMA's register operand
-    codes_t: torch.Tensor | None = None         # (K * N / 2,) uint8: W^T's codes, high nibble first
+    codes_t: torch.Tensor | None = None         # (K * N / 2,) uint8: W^T's codes (`transposed_copy`)
     absmax_t: torch.Tensor | None = None        # (K / 64, N) float32: block (n, b)'s in row b (`transposed_copy`)
 
     @classmethod
@@ -125,11 +125,15 @@ class DevicePacked:
 
 
 def transposed_copy(weight: NF4Weight, codes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """W^T's codes packed as W's are (made where `codes`, W's, lie) and the FP32 absmax of W's
-    blocks a column of W^T: (codes_t (K * N / 2,) uint8, absmax_t (K / 64, N) float32 there, row b
-    holding blocks (n, b), each 64 columns in the order below)."""
+    """W^T's codes (made where `codes`, W's, lie), each 64 of a row in the order below, and the FP32
+    absmax of W's blocks a column of W^T: (codes_t (K * N / 2,) uint8, absmax_t (K / 64, N) float32
+    there, row b holding blocks (n, b), each 64 columns in the order below)."""
     N, K = weight.shape
     codes_t = pack_nibbles(unpack_nibbles(codes, N * K).view(N, K).t())
+    # byte 4 w + t of each 32 (columns 8 w + 2 t, 8 w + 2 t + 1, packed as W's are) stored at 8 t + w:
+    # the 8 bytes that one thread of the operand layout decodes (t = lane % 4) side by side, so the
+    # 4 threads of a row read 8 bytes each, not the row's 32 each
+    codes_t = codes_t.view(K, N // NF4_BLOCK, 8, 4).transpose(2, 3).reshape(-1)
     absmax_t = weight.block_absmax(0, N * K // NF4_BLOCK).view(N, K // NF4_BLOCK).t()
     # column 8 w + 2 t + e of each 64 stored at 16 (w // 2) + 4 t + 2 (w % 2) + e: the 16 that one
     # thread of the operand layout multiplies by (t = lane % 4) in four 16-byte loads, each of which

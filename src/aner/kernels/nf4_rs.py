@@ -17,7 +17,9 @@ handoff, no decode warps. The first operand being the weight, a program makes ti
 The input gradient dx = g @ W is the same product of g and W^T, whose blocks run down its
 columns: it reads the device copy's transposed codes (`DevicePacked.codes_t`) and with each
 step's code words the FP32 absmax of the step's 64 columns (`absmax_t`, COLS), each element
-multiplied by its column's.
+multiplied by its column's. That copy stores the 8 bytes a thread decodes of a row side by side,
+so a thread reads 8 bytes a row and step where W's own layout has each of a row's 4 lanes read all
+its 32.
 
 An MMA's operand registers may not be written until a wait has seen it finish, and ptxas is not
 bound to keep them from other values: each step's are held past that wait (`_hold`), so two
@@ -59,22 +61,31 @@ def _shuffle_lookup_asm(cvt: str, columns: bool) -> str:
     for element e of word i) and the lane's codebook entry ($28: lane l holds code l % 16's value)
     -> the two values of byte t of each word: $i = (its high nibble's, its low nibble's) of word i,
     a pair of 16-bit floats as the MMA's operand registers hold them (byte k holds element 2k in its
-    high nibble). A value is read from the lane of its code by a shuffle within each half-warp,
-    which takes the low 4 bits of the index; then absmax times it in FP32, rounded by `cvt`."""
-    lines = [".reg .b32 sh, lo, hi;", ".reg .f32 vl, vh;", "shl.b32 sh, $12, 3;"]
+    high nibble). With `columns` the four words are one register that holds byte t of each (byte i
+    of it is word i's: the transposed copy's layout), so each byte is at a fixed shift. A value is
+    read from the lane of its code by a shuffle within each half-warp, which takes the low 4 bits of
+    the index; then absmax times it in FP32, rounded by `cvt`."""
+    lines = [".reg .b32 lo, hi;", ".reg .f32 vl, vh;"]
+    if not columns:
+        lines += [".reg .b32 sh;", "shl.b32 sh, $12, 3;"]
     for i in range(4):
-        high, low = (f"${20 + 2 * i}", f"${21 + 2 * i}") if columns else ("$20", "$20")
-        lines += [f"shr.b32 lo, ${4 + 2 * i}, sh;", "shr.b32 hi, lo, 4;",
-                  "shfl.sync.idx.b32 vl, $28, lo, 0x100f, -1;", "shfl.sync.idx.b32 vh, $28, hi, 0x100f, -1;",
+        if columns:
+            low, high = f"${20 + 2 * i + 1}", f"${20 + 2 * i}"
+            lines += [f"shr.b32 lo, $4, {8 * i};" if i else "mov.b32 lo, $4;", f"shr.b32 hi, $4, {8 * i + 4};"]
+        else:
+            low = high = "$20"
+            lines += [f"shr.b32 lo, ${4 + 2 * i}, sh;", "shr.b32 hi, lo, 4;"]
+        lines += ["shfl.sync.idx.b32 vl, $28, lo, 0x100f, -1;", "shfl.sync.idx.b32 vh, $28, hi, 0x100f, -1;",
                   f"mul.rn.f32 vl, vl, {low};", f"mul.rn.f32 vh, vh, {high};", f"{cvt} ${i}, vl, vh;"]
     return "{\n" + "\n".join(lines) + "\n}"
 
 
 _CVT = {torch.bfloat16: "cvt.rn.bf16x2.f32", torch.float16: "cvt.rn.f16x2.f32"}
 _LOOKUP_IO = gl.constexpr("=r," * 4 + ",".join(["r"] * 40))     # 8 elements a call: 5 inputs of 8
-# the transposed copy's absmax of a step's 64 columns through the ring as (word, t, e), stored
-# (word // 2, t, word % 2, e): a thread's 4 of two words side by side (`nf4.transposed_copy`)
-_COLUMNS = gl.constexpr(gl.SharedLinearLayout([[0, 0, 1], [1, 0, 0], [0, 1, 0], [0, 2, 0], [2, 0, 0], [4, 0, 0]]))
+# the transposed copy's absmax of a step's 64 columns through the ring as (h, i, t, e) of word 4 h + i,
+# stored (word // 2, t, word % 2, e): a thread's 4 of two words side by side (`nf4.transposed_copy`)
+_COLUMNS = gl.constexpr(gl.SharedLinearLayout([[0, 0, 0, 1], [0, 1, 0, 0], [0, 0, 1, 0], [0, 0, 2, 0], [0, 2, 0, 0],
+                                               [1, 0, 0, 0]]))
 _PLAIN = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)     # its TMA tile as stored
 
 
@@ -122,19 +133,26 @@ def _hold(a):
 
 
 @gluon.jit
-def _ahead(c_buf, a_buf, amc, words_l: gl.constexpr, am_l: gl.constexpr, COLS: gl.constexpr, ROW0: gl.constexpr):
-    """A step's code words of the warpgroup's rows from c_buf, and with COLS the absmax of its
-    columns (the thread's (word, t, e) of the row of blocks) from a_buf; without COLS amc as given."""
+def _ahead(c_buf, a_buf, amc, read_l: gl.constexpr, words_l: gl.constexpr, am_l: gl.constexpr, COLS: gl.constexpr,
+           ROW0: gl.constexpr):
+    """A step's code words of the warpgroup's rows from c_buf, as (row, h, i): word 4 h + i, or with
+    COLS as (row, h, t): the register of byte t of words 4 h .. 4 h + 3; with COLS also the absmax
+    of its columns (the thread's (h, i, t, e) of the row of blocks) from a_buf, without amc as given."""
     R: gl.constexpr = 64
-    words = c_buf.slice(ROW0, R).load(words_l)
+    read = c_buf.slice(ROW0, R).load(read_l)
     if COLS:
-        amc = gl.expand_dims(a_buf.slice(ROW0 // R, 1)._reinterpret(gl.float32, [8, 4, 2], _COLUMNS).load(am_l), 0)
-    return words, amc
+        words = gl.permute(gl.reshape(read, [R, 4, 2]), (0, 2, 1))
+        amc = gl.expand_dims(a_buf.slice(ROW0 // R, 1)._reinterpret(gl.float32, [2, 4, 4, 2], _COLUMNS).load(am_l),
+                             0)
+    else:
+        words = gl.reshape(read, [R, 2, 4])
+    return gl.convert_layout(words, words_l, assert_trivial=True), amc
 
 
 @gluon.jit
-def _issue(acc, h, am4, wn, amc, x_bufs, c_bufs, a_bufs, ready, t, e, cb, words_l: gl.constexpr, am_l: gl.constexpr,
-           a_l: gl.constexpr, LOOKUP: gl.constexpr, COLS: gl.constexpr, ROW0: gl.constexpr, u: gl.constexpr):
+def _issue(acc, h, am4, wn, amc, x_bufs, c_bufs, a_bufs, ready, t, e, cb, read_l: gl.constexpr, words_l: gl.constexpr,
+           am_l: gl.constexpr, a_l: gl.constexpr, LOOKUP: gl.constexpr, COLS: gl.constexpr, ROW0: gl.constexpr,
+           u: gl.constexpr):
     """Step u of a group, its code words wn (with COLS and absmax amc) read a step before: its slot
     waited for, the next step's read from it, its rows decoded into operand registers, its MMA
     issued -> (acc, the operand, the slot, the next step's words and absmax)."""
@@ -147,8 +165,8 @@ def _issue(acc, h, am4, wn, amc, x_bufs, c_bufs, a_bufs, ready, t, e, cb, words_
         am = gl.inline_asm_elementwise("shfl.sync.idx.b32 $0, $1, $2, 0x1c03, -1;", "=r,r,r", [am4, t * 0 + u],
                                        dtype=gl.float32, is_pure=True, pack=1)
     mbarrier.wait(ready.index(s), (h // S) & 1)
-    words = gl.expand_dims(gl.expand_dims(wn, 2), 3)
-    wn, amc = _ahead(c_bufs.index(s), a_bufs.index(s), amc, words_l, am_l, COLS, ROW0)
+    words = gl.expand_dims(gl.expand_dims(wn, 2 if COLS else 3), 4)
+    wn, amc = _ahead(c_bufs.index(s), a_bufs.index(s), amc, read_l, words_l, am_l, COLS, ROW0)
     if LOOKUP == "":                # the decode left out (timing only)
         v = (words + t + e).to(x_bufs.dtype)
     else:
@@ -160,8 +178,9 @@ def _issue(acc, h, am4, wn, amc, x_bufs, c_bufs, a_bufs, ready, t, e, cb, words_
 
 @gluon.jit
 def _steps(acc, h, k, am_next, am_next4, wn, amc, x_bufs, c_bufs, a_bufs, ready, empty, rows, blk, t, e, cb, absmax,
-           acodes, ascales, aoffset, dyncb, N, steps, words_l: gl.constexpr, am_l: gl.constexpr, a_l: gl.constexpr,
-           DQ: gl.constexpr, LOOKUP: gl.constexpr, COLS: gl.constexpr, ROW0: gl.constexpr, U: gl.constexpr):
+           acodes, ascales, aoffset, dyncb, N, steps, read_l: gl.constexpr, words_l: gl.constexpr, am_l: gl.constexpr,
+           a_l: gl.constexpr, DQ: gl.constexpr, LOOKUP: gl.constexpr, COLS: gl.constexpr, ROW0: gl.constexpr,
+           U: gl.constexpr):
     """Steps k .. k + U - 1 of a warpgroup: each decoded while the MMA of the one before runs, its
     MMA issued before that one is waited for, the last waited for at the end; every step's operand
     registers held until the wait that sees its MMA finish. `am_next` holds the absmax of the
@@ -177,11 +196,11 @@ def _steps(acc, h, k, am_next, am_next4, wn, amc, x_bufs, c_bufs, a_bufs, ready,
         if U == 8:
             am_next4 = _absmax(blk + k + U + 4 + t, (rows < N) & (k + U + 4 + t < steps), absmax, acodes, ascales,
                                aoffset, dyncb, DQ)
-    acc, a_prev, s_prev, wn, amc = _issue(acc, h, am4, wn, amc, x_bufs, c_bufs, a_bufs, ready, t, e, cb, words_l,
-                                          am_l, a_l, LOOKUP, COLS, ROW0, 0)
+    acc, a_prev, s_prev, wn, amc = _issue(acc, h, am4, wn, amc, x_bufs, c_bufs, a_bufs, ready, t, e, cb, read_l,
+                                          words_l, am_l, a_l, LOOKUP, COLS, ROW0, 0)
     for u in gl.static_range(1, U):
         acc, a, s, wn, amc = _issue(acc, h + u, am4 if u < 4 else am8, wn, amc, x_bufs, c_bufs, a_bufs, ready, t, e,
-                                    cb, words_l, am_l, a_l, LOOKUP, COLS, ROW0, u % 4)
+                                    cb, read_l, words_l, am_l, a_l, LOOKUP, COLS, ROW0, u % 4)
         acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
         _hold(a_prev)
         mbarrier.arrive(empty.index(s_prev))
@@ -204,30 +223,42 @@ def _multiply(x_bufs, c_bufs, a_bufs, c_first, a_first, ready, empty, o_desc, o_
     gl.static_assert(gl.num_warps() == 4)
     acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BTc, 16])
     a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_l, k_width=2)
-    # (row, word, t, e), column 8 word + 2 t + e of the row's block: the operand layout's lanes and
-    # warps, its registers in another order (a conversion without moves)
-    w4: gl.constexpr = gl.DistributedLinearLayout(
-        reg_bases=[[0, 0, 0, 1], [0, 1, 0, 0], [0, 2, 0, 0], [0, 4, 0, 0], [8, 0, 0, 0]],
-        lane_bases=[[0, 0, 1, 0], [0, 0, 2, 0], [1, 0, 0, 0], [2, 0, 0, 0], [4, 0, 0, 0]],
-        warp_bases=[[16, 0, 0, 0], [32, 0, 0, 0]], block_bases=[], shape=[R, 8, 4, 2])
-    w3: gl.constexpr = gl.SliceLayout(3, w4)
-    words_l: gl.constexpr = gl.SliceLayout(2, w3)
-    am_l: gl.constexpr = gl.SliceLayout(0, w4)          # an absmax a column (COLS): (word, t, e)
-    t = gl.expand_dims(gl.expand_dims(gl.expand_dims(
-        gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(0, w3))), 0), 0), 3)          # (1, 1, 4, 1)
-    e = gl.expand_dims(gl.expand_dims(gl.expand_dims(
-        gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, w4)))), 0), 0), 0)
-    r = ROW0 + gl.arange(0, R, layout=gl.SliceLayout(1, words_l))
+    # (row, h, i, t, e), column 32 h + 8 i + 2 t + e of the row's block, in word 4 h + i: the operand
+    # layout's lanes and warps, its registers in another order (a conversion without moves)
+    w5: gl.constexpr = gl.DistributedLinearLayout(
+        reg_bases=[[0, 0, 0, 0, 1], [0, 0, 1, 0, 0], [0, 0, 2, 0, 0], [0, 1, 0, 0, 0], [8, 0, 0, 0, 0]],
+        lane_bases=[[0, 0, 0, 1, 0], [0, 0, 0, 2, 0], [1, 0, 0, 0, 0], [2, 0, 0, 0, 0], [4, 0, 0, 0, 0]],
+        warp_bases=[[16, 0, 0, 0, 0], [32, 0, 0, 0, 0]], block_bases=[], shape=[R, 2, 4, 4, 2])
+    w4: gl.constexpr = gl.SliceLayout(4, w5)
+    # a step's words (`_ahead`): W's rows whole in each of a row's 4 lanes, (row, 8 words) read as
+    # (row, h, i); the transposed copy's 16 bytes of a thread's two rows, (row, 2 t + h) read as (row, h, t)
+    if COLS:
+        words_l: gl.constexpr = gl.SliceLayout(2, w4)
+        read_l: gl.constexpr = gl.DistributedLinearLayout(
+            reg_bases=[[0, 1], [8, 0]], lane_bases=[[0, 2], [0, 4], [1, 0], [2, 0], [4, 0]],
+            warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[R, 8])
+    else:
+        words_l: gl.constexpr = gl.SliceLayout(3, w4)
+        read_l: gl.constexpr = gl.DistributedLinearLayout(
+            reg_bases=[[0, 1], [0, 2], [0, 4], [8, 0]], lane_bases=[[0, 0], [0, 0], [1, 0], [2, 0], [4, 0]],
+            warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[R, 8])
+    am_l: gl.constexpr = gl.SliceLayout(0, w5)          # an absmax a column (COLS): (h, i, t, e)
+    t = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.arange(
+        0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, w4)))), 0), 1), 2), 4)   # (1, 1, 1, 4, 1)
+    e = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.arange(
+        0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, w5))))), 0), 0), 0), 0)
+    r = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(ROW0 + gl.arange(
+        0, R, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, w4)))), 1), 2), 3), 4)  # (R, 1, 1, 1, 1)
     # lane l = t + 4 (row % 8) holds codebook entry l % 16
-    cb = gl.load(nf4cb + t + 4 * gl.expand_dims(gl.expand_dims(gl.expand_dims(r % 4, 1), 2), 3))
+    cb = gl.load(nf4cb + t + 4 * (r % 4))
     KB = K // 64
     # the program's first step's words (and absmax: without COLS a placeholder), come with its first slot
     mbarrier.wait(ready.index(0), 0)
-    wn, amc = _ahead(c_first, a_first, t * 0.0, words_l, am_l, COLS, ROW0)
+    wn, amc = _ahead(c_first, a_first, t * 0.0, read_l, words_l, am_l, COLS, ROW0)
     h = 0
     for tile in range(gl.program_id(0), gl.cdiv(M, BTc) * gl.cdiv(N, BFc), gl.num_programs(0)):
         off_m, off_n = _tile(tile, M, N, BTc, BFc, GROUP)
-        rows = gl.expand_dims(gl.expand_dims(gl.expand_dims(off_n + r, 1), 2), 3)                # (R, 1, 1, 1)
+        rows = off_n + r
         blk = rows.to(gl.int64) * KB
         if COLS:
             am_next = (rows * 0).to(gl.float32)     # not used
@@ -239,14 +270,14 @@ def _multiply(x_bufs, c_bufs, a_bufs, c_first, a_first, ready, empty, o_desc, o_
         for i in range(steps % U):          # the steps short of a whole group, one at a time
             acc, h, k, am_next, am_next4, wn, amc = _steps(
                 acc, h, k, am_next, am_next4, wn, amc, x_bufs, c_bufs, a_bufs, ready, empty, rows, blk, t, e, cb,
-                absmax, acodes, ascales, aoffset, dyncb, N, steps, words_l, am_l, a_l, DQ, LOOKUP, COLS, ROW0, 1)
+                absmax, acodes, ascales, aoffset, dyncb, N, steps, read_l, words_l, am_l, a_l, DQ, LOOKUP, COLS, ROW0, 1)
         if (U == 8) & (not COLS):          # the absmax of steps k + 4 + t (lane t of each row)
             am_next4 = _absmax(blk + k + 4 + t, (rows < N) & (k + 4 + t < steps), absmax, acodes, ascales, aoffset,
                                dyncb, DQ)
         for i in range(steps // U):
             acc, h, k, am_next, am_next4, wn, amc = _steps(
                 acc, h, k, am_next, am_next4, wn, amc, x_bufs, c_bufs, a_bufs, ready, empty, rows, blk, t, e, cb,
-                absmax, acodes, ascales, aoffset, dyncb, N, steps, words_l, am_l, a_l, DQ, LOOKUP, COLS, ROW0, U)
+                absmax, acodes, ascales, aoffset, dyncb, N, steps, read_l, words_l, am_l, a_l, DQ, LOOKUP, COLS, ROW0, U)
         # the tile transposed through shared memory, stored by TMA while the next tile runs
         tma.store_wait(0)
         o_buf.store(gl.permute(acc.to(o_buf.dtype), (1, 0)))
