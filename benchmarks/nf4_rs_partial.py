@@ -11,9 +11,10 @@ With "one" the multiprocessor runs half the shuffles while the first warpgroup's
 was: if "one" is as slow as d = 4, a warp's own latency sets the pace, and a part of each step
 decoded by other warps (through shared memory) would gain about what d = 3 gains; if "one" is
 much faster, the shuffles' throughput across the multiprocessor sets it, and moving them to other
-warps gains nothing.
+warps gains nothing. Runs "shared1", "shared2" and "shared4" read the last 1, 2 or 4 words' values
+from shared memory instead of shuffling them (`through_shared`): whether the two share that limit.
 
-    python benchmarks/nf4_rs_partial.py results/<date>-h200-nf4-rs-partial.json     (GPU machine)
+    python benchmarks/nf4_rs_partial.py results/<date>-h200-nf4-rs-partial.json [run ...]   (GPU machine)
 """
 import json
 import os
@@ -28,6 +29,14 @@ import torch
 RUNS = ["4", "3", "2", "0", "one"]
 
 
+# the lane's bank from the start of shared memory; a pair's two shuffles; the pair read from there instead
+LANE_BANK = ".reg .b32 lb, gs, al, ah;\nmov.u32 lb, %laneid;\nmov.u32 gs, global_smem;\nshl.b32 lb, lb, 2;\n" \
+            "add.u32 lb, lb, gs;"
+SHUFFLES = r"shfl\.sync\.idx\.b32 vl, \$28, lo, 0x100f, -1;\nshfl\.sync\.idx\.b32 vh, \$28, hi, 0x100f, -1;"
+READS = "and.b32 al, lo, 15;\nshl.b32 al, al, 7;\nadd.u32 al, al, lb;\nld.shared.f32 vl, [al];\n" \
+        "and.b32 ah, hi, 15;\nshl.b32 ah, ah, 7;\nadd.u32 ah, ah, lb;\nld.shared.f32 vh, [ah];"
+
+
 def through_shared(n: int):
     """`_shuffle_lookup_asm` with the last n words of each lookup read from shared memory instead of
     shuffled: lane l reads bank l at (code << 7) + 4 l from the start of the kernel's shared memory
@@ -38,14 +47,10 @@ def through_shared(n: int):
     lookup = nf4_rs._shuffle_lookup_asm
 
     def shared(cvt, columns):
-        text = lookup(cvt, columns).replace(
-            "shl.b32 sh, $12, 3;", ".reg .b32 lb, gs, al, ah;\nmov.u32 lb, %laneid;\nmov.u32 gs, global_smem;\n"
-            "shl.b32 lb, lb, 2;\nadd.u32 lb, lb, gs;\nshl.b32 sh, $12, 3;")
+        text = lookup(cvt, columns).replace(".reg .f32 vl, vh;", ".reg .f32 vl, vh;\n" + LANE_BANK)
         for i in range(4 - n, 4):
-            text, k = re.subn(rf"(shr\.b32 lo, \${4 + 2 * i}, sh;\nshr\.b32 hi, lo, 4;\n)"
-                              r"shfl\.sync\.idx\.b32 vl, \$28, lo, 0x100f, -1;\nshfl\.sync\.idx\.b32 vh, \$28, hi, 0x100f, -1;",
-                              r"\1and.b32 al, lo, 15;\nshl.b32 al, al, 7;\nadd.u32 al, al, lb;\nld.shared.f32 vl, [al];\n"
-                              r"and.b32 ah, hi, 15;\nshl.b32 ah, ah, 7;\nadd.u32 ah, ah, lb;\nld.shared.f32 vh, [ah];", text)
+            text, k = re.subn(rf"((shr|mov)\.b32 lo, \${4 + 2 * i}[^;]*;\nshr\.b32 hi, [^;]*;\n){SHUFFLES}",
+                              rf"\1{READS}", text)
             assert k == 1, (i, text)
         return text
     nf4_rs._shuffle_lookup_asm = shared
@@ -59,8 +64,8 @@ def undecoded(d: int):
     def partial(cvt, columns):
         text = lookup(cvt, columns)
         for i in range(d, 4):
-            text, n = re.subn(rf"shr\.b32 lo, \${4 + 2 * i}, sh;.*?\${i}, vl, vh;", f"mov.b32 ${i}, ${4 + 2 * i};",
-                              text, flags=re.S)
+            text, n = re.subn(rf"(shr|mov)\.b32 lo, \${4 + 2 * i}[^;]*;.*?\${i}, vl, vh;",
+                              f"mov.b32 ${i}, ${4 + 2 * i};", text, flags=re.S)
             assert n == 1, (i, text)
         return text
     nf4_rs._shuffle_lookup_asm = partial

@@ -61,20 +61,22 @@ def _shuffle_lookup_asm(cvt: str, columns: bool) -> str:
     for element e of word i) and the lane's codebook entry ($28: lane l holds code l % 16's value)
     -> the two values of byte t of each word: $i = (its high nibble's, its low nibble's) of word i,
     a pair of 16-bit floats as the MMA's operand registers hold them (byte k holds element 2k in its
-    high nibble). With `columns` the four words are one register that holds byte t of each (byte i
-    of it is word i's: the transposed copy's layout), so each byte is at a fixed shift. A value is
-    read from the lane of its code by a shuffle within each half-warp, which takes the low 4 bits of
-    the index; then absmax times it in FP32, rounded by `cvt`."""
+    high nibble). With `columns` the four are one register (the same in each) that holds byte t of
+    each word (byte i of it word i's: the transposed copy's layout), so each byte is at a fixed
+    shift. A value is read from the lane of its code by a shuffle within each half-warp, which takes
+    the low 4 bits of the index; then absmax times it in FP32, rounded by `cvt`."""
     lines = [".reg .b32 lo, hi;", ".reg .f32 vl, vh;"]
     if not columns:
         lines += [".reg .b32 sh;", "shl.b32 sh, $12, 3;"]
     for i in range(4):
+        word = f"${4 + 2 * i}"
         if columns:
-            low, high = f"${20 + 2 * i + 1}", f"${20 + 2 * i}"
-            lines += [f"shr.b32 lo, $4, {8 * i};" if i else "mov.b32 lo, $4;", f"shr.b32 hi, $4, {8 * i + 4};"]
+            low, high = f"${21 + 2 * i}", f"${20 + 2 * i}"
+            lines += [f"shr.b32 lo, {word}, {8 * i};" if i else f"mov.b32 lo, {word};",
+                      f"shr.b32 hi, {word}, {8 * i + 4};"]
         else:
             low = high = "$20"
-            lines += [f"shr.b32 lo, ${4 + 2 * i}, sh;", "shr.b32 hi, lo, 4;"]
+            lines += [f"shr.b32 lo, {word}, sh;", "shr.b32 hi, lo, 4;"]
         lines += ["shfl.sync.idx.b32 vl, $28, lo, 0x100f, -1;", "shfl.sync.idx.b32 vh, $28, hi, 0x100f, -1;",
                   f"mul.rn.f32 vl, vl, {low};", f"mul.rn.f32 vh, vh, {high};", f"{cvt} ${i}, vl, vh;"]
     return "{\n" + "\n".join(lines) + "\n}"
@@ -270,14 +272,16 @@ def _multiply(x_bufs, c_bufs, a_bufs, c_first, a_first, ready, empty, o_desc, o_
         for i in range(steps % U):          # the steps short of a whole group, one at a time
             acc, h, k, am_next, am_next4, wn, amc = _steps(
                 acc, h, k, am_next, am_next4, wn, amc, x_bufs, c_bufs, a_bufs, ready, empty, rows, blk, t, e, cb,
-                absmax, acodes, ascales, aoffset, dyncb, N, steps, read_l, words_l, am_l, a_l, DQ, LOOKUP, COLS, ROW0, 1)
+                absmax, acodes, ascales, aoffset, dyncb, N, steps, read_l, words_l, am_l, a_l, DQ, LOOKUP, COLS, ROW0,
+                1)
         if (U == 8) & (not COLS):          # the absmax of steps k + 4 + t (lane t of each row)
             am_next4 = _absmax(blk + k + 4 + t, (rows < N) & (k + 4 + t < steps), absmax, acodes, ascales, aoffset,
                                dyncb, DQ)
         for i in range(steps // U):
             acc, h, k, am_next, am_next4, wn, amc = _steps(
                 acc, h, k, am_next, am_next4, wn, amc, x_bufs, c_bufs, a_bufs, ready, empty, rows, blk, t, e, cb,
-                absmax, acodes, ascales, aoffset, dyncb, N, steps, read_l, words_l, am_l, a_l, DQ, LOOKUP, COLS, ROW0, U)
+                absmax, acodes, ascales, aoffset, dyncb, N, steps, read_l, words_l, am_l, a_l, DQ, LOOKUP, COLS, ROW0,
+                U)
         # the tile transposed through shared memory, stored by TMA while the next tile runs
         tma.store_wait(0)
         o_buf.store(gl.permute(acc.to(o_buf.dtype), (1, 0)))
