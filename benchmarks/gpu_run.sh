@@ -14,7 +14,8 @@
 #               warpgroup barriers at each ring slot; alternated processes)   -> <date>-h200-nf4-rs-barriers.json
 #   partial     benchmarks/nf4_rs_partial.py (nf4_rs timed with 4, 3, 2 and 0 of each lookup's four code words
 #               decoded, the rest handed to the MMA undecoded, and with the second warpgroup's decode left
-#               out; timing only: whether a warp's latency or the shuffles' throughput sets the pace)
+#               out; timing only: whether a warp's latency or the shuffles' throughput sets the pace;
+#               PARTIAL="4 shared1 shared2 shared4 3" picks the runs, shared-n reading n words from shared memory)
 #                                                                     -> <date>-h200-nf4-rs-partial.json
 #   words       benchmarks/nf4_rs_words.py (nf4_rs with each step's four code-word reads a thread as one,
 #               16 bytes a lane apart, in edited PTX; timing only: what a layout read once would gain)
