@@ -37,38 +37,38 @@ READS = "and.b32 al, lo, 15;\nshl.b32 al, al, 7;\nadd.u32 al, al, lb;\nld.shared
         "and.b32 ah, hi, 15;\nshl.b32 ah, ah, 7;\nadd.u32 ah, ah, lb;\nld.shared.f32 vh, [ah];"
 
 
+def edit_lookup(edit):
+    """`_shuffle_lookup_asm` with edit(text) applied to the PTX it makes (a run of its own)."""
+    from aner.kernels import nf4_rs
+    lookup = nf4_rs._shuffle_lookup_asm
+    nf4_rs._shuffle_lookup_asm = lambda *args: edit(lookup(*args))
+
+
 def through_shared(n: int):
     """`_shuffle_lookup_asm` with the last n words of each lookup read from shared memory instead of
     shuffled: lane l reads bank l at (code << 7) + 4 l from the start of the kernel's shared memory
     (whatever is there: timing only), so that a warp's 32 reads are one conflict-free wavefront, as
     a codebook copied once for each bank would be. Whether a shuffle and a shared-memory read
     share what sets the pace: if these are as slow as the shuffles, they do."""
-    from aner.kernels import nf4_rs
-    lookup = nf4_rs._shuffle_lookup_asm
-
-    def shared(cvt, columns):
-        text = lookup(cvt, columns).replace(".reg .f32 vl, vh;", ".reg .f32 vl, vh;\n" + LANE_BANK)
+    def shared(text):
+        text = text.replace(".reg .f32 vl, vh;", ".reg .f32 vl, vh;\n" + LANE_BANK)
         for i in range(4 - n, 4):
             text, k = re.subn(rf"((shr|mov)\.b32 lo, \${4 + 2 * i}[^;]*;\nshr\.b32 hi, [^;]*;\n){SHUFFLES}",
                               rf"\1{READS}", text)
             assert k == 1, (i, text)
         return text
-    nf4_rs._shuffle_lookup_asm = shared
+    edit_lookup(shared)
 
 
 def undecoded(d: int):
     """`_shuffle_lookup_asm` with words d .. 3 of each lookup passed through undecoded."""
-    from aner.kernels import nf4_rs
-    lookup = nf4_rs._shuffle_lookup_asm
-
-    def partial(cvt, columns):
-        text = lookup(cvt, columns)
+    def partial(text):
         for i in range(d, 4):
             text, n = re.subn(rf"(shr|mov)\.b32 lo, \${4 + 2 * i}[^;]*;.*?\${i}, vl, vh;",
                               f"mov.b32 ${i}, ${4 + 2 * i};", text, flags=re.S)
             assert n == 1, (i, text)
         return text
-    nf4_rs._shuffle_lookup_asm = partial
+    edit_lookup(partial)
 
 
 def one_decodes(root: str) -> str:
