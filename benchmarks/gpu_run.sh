@@ -17,9 +17,6 @@
 #               out; timing only: whether a warp's latency or the shuffles' throughput sets the pace;
 #               PARTIAL="4 shared1 shared2 shared4 3" picks the runs, shared-n reading n words from shared memory)
 #                                                                     -> <date>-h200-nf4-rs-partial.json
-#   words       benchmarks/nf4_rs_words.py (nf4_rs with each step's four code-word reads a thread as one,
-#               16 bytes a lane apart, in edited PTX; timing only: what a layout read once would gain)
-#                                                                     -> <date>-h200-nf4-rs-words.json
 #   check       benchmarks/nf4_rs_check.py (nf4_rs against nf4_ws, bit for bit, at the shapes training calls
 #               it with: Llama-3.2-1B's and SmolLM2-135M's projections and heads) -> <date>-h200-nf4-rs-check.json
 #   ncu         benchmarks/nf4_profile.py under Nsight Compute (--set full): dense, nf4_rs (and its steps one at a
@@ -82,8 +79,6 @@ for stage in "$@"; do
     rs) python3 benchmarks/nf4_rs.py "$OUT/$day-h200-nf4-rs.json" 2>&1 | tee "$OUT/nf4-rs.log" | tail -n 40 ;;
     barriers) python3 benchmarks/nf4_rs_barriers.py "$OUT/$day-h200-nf4-rs-barriers.json" 2>&1 | tee "$OUT/nf4-rs-barriers.log" | tail -n 40 ;;
     partial) python3 benchmarks/nf4_rs_partial.py "$OUT/$day-h200-nf4-rs-partial.json" ${PARTIAL:-} 2>&1 | tee "$OUT/nf4-rs-partial.log" | tail -n 40 ;;
-    words) python3 benchmarks/nf4_rs_words.py "$OUT/$day-h200-nf4-rs-words.json" 2>&1 | tee "$OUT/nf4-rs-words.log" \
-             | tail -n 40 ;;
     check) PYTHONPATH=$PYTHONPATH:$PWD/benchmarks python3 benchmarks/nf4_rs_check.py "$OUT/$day-h200-nf4-rs-check.json" 2>&1 \
              | tee "$OUT/nf4-rs-check.log" | tail -n 20 ;;
     ncu) PYTHONPATH=$PYTHONPATH:$PWD/benchmarks ncu --clock-control none --profile-from-start off --set full \
