@@ -50,6 +50,9 @@
 #   same        ours only, ROUNDS (default 3) separate processes of this tree, then benchmarks/same_bits.py:
 #               every combination's losses equal to the last bit (COMBOS, default llama-3.2-1b:qlora
 #               --steps 20) -> same.log, same-N.json
+#   first       benchmarks/first_update_bits.py: PROCESSES (default 8) processes of COMBO (default
+#               llama-3.2-1b:qlora:cudnn:fused), each a digest of every tensor its first update reads and that
+#               update's loss, and which differ from the first process's -> <date>-h200-first-update-bits.json
 #   replay      ours only, every update's recorded graph replayed REPLAYS (default 50) more times over
 #               the same inputs, each compared with the first to the last bit (benchmarks/replay_bits.py;
 #               COMBOS, default llama-3.2-1b:qlora) -> <date>-h200-replay-bits.json
@@ -112,6 +115,8 @@ for stage in "$@"; do
           name=$([ "$tree" = "$PWD" ] && echo new || echo old)
           python3 "$tree/benchmarks/throughput.py" "$OUT/ab-$name-$round.json" --no-peer ${COMBOS:-} 2>&1 | sed "s/^/$name /"
         done; done | tee "$OUT/ab.log" ;;
+    first) python3 benchmarks/first_update_bits.py "$OUT/$day-h200-first-update-bits.json" \
+             "${COMBO:-llama-3.2-1b:qlora:cudnn:fused}" "${PROCESSES:-8}" 2>&1 | tee "$OUT/first-update-bits.log" ;;
     same) for round in $(seq "${ROUNDS:-3}"); do
             python3 benchmarks/throughput.py "$OUT/same-$round.json" --no-peer ${COMBOS:-llama-3.2-1b:qlora --steps 20} 2>&1
           done | grep "ours" | tee "$OUT/same.log"

@@ -17,12 +17,11 @@ import nf4_ws           # benchmarks/nf4_ws.py: the weights
 
 N, K, M = (int(v) for v in sys.argv[1:4]) if len(sys.argv) > 3 else (4096, 4096, 2048)
 p, Wd = nf4_ws.packed(N, K)
-q = nf4_ws.plain(p)
 wd = Wd.bfloat16()
 x, g = torch.randn(M, K, device="cuda").bfloat16(), torch.randn(M, N, device="cuda").bfloat16()
 launches = [lambda: x @ wd.t(), lambda: nf4_rs_matmul(x, p), lambda: nf4_rs_matmul(x, p, in_flight=1),
             lambda: nf4_rs_matmul(x, p, skip=True), lambda: nf4_rs_matmul(x, p, skip=True, in_flight=1),
-            lambda: nf4_ws_matmul(x, q, False),
+            lambda: nf4_ws_matmul(x, p, False),
             lambda: g @ wd, lambda: nf4_rs_matmul(g, p, True), lambda: nf4_rs_matmul(g, p, True, skip=True)]
 for f in launches * 20:
     f()

@@ -42,11 +42,10 @@ def run_variant(v):
                     "bound": bool(((y.double() - want).abs() <= 1e-2 * scale).all()),
                     "max_err_over_scale": float(((y.double() - want).abs() / scale.clamp_min(1e-30)).max()),
                     "same_bits_twice": torch.equal(y, nf4_rs_matmul(a, p, trans, **kw)),
-                    "bits_of_ws": torch.equal(y, nf4_ws_matmul(a, nf4_ws.plain(p), trans))}
+                    "bits_of_ws": torch.equal(y, nf4_ws_matmul(a, p, trans))}
     nf4_ws.clocks_up()
     for N, Kin, M, trans, p, a, dense in nf4_ws.products():
-        q = nf4_ws.plain(p)
-        t = {"dense": nf4_ws.bench(dense), "ws": nf4_ws.bench(lambda: nf4_ws_matmul(a, q, trans)),
+        t = {"dense": nf4_ws.bench(dense), "ws": nf4_ws.bench(lambda: nf4_ws_matmul(a, p, trans)),
              "rs": nf4_ws.bench(lambda: nf4_rs_matmul(a, p, trans, **kw))}
         row["problems"].append({"N": N, "K": Kin, "tokens": M, "input_grad": trans, "us": t,
                                 "ws_vs_dense": t["ws"] / t["dense"], "rs_vs_dense": t["rs"] / t["dense"]})

@@ -40,7 +40,7 @@ def compile_kernel(op: str, cfg: K.TileConfig, M: int, N: int, Kin: int, dtype="
     per = -(-steps // cfg.split)
     consts = dict(STEPS_PER_SPLIT=per, BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, GROUP_M=cfg.group_m,
                   SPLIT=-(-steps // per), FAST=Kin % 64 == 0 and cfg.bk % 64 == 0, DQ=double_quant,
-                  LUT=cfg.lut, SWAP=cfg.swap, TC=cfg.tc, ORD=False)
+                  LUT=cfg.lut, SWAP=cfg.swap, TC=cfg.tc)
     pointers = {"x": dtype, "y": dtype, "g": dtype, "dx": dtype, "part": "fp32", "codes": "u8",
                 "absmax": "u8" if double_quant else "fp32", "acodes": "u8",
                 "ascales": "fp32" if double_quant else "u8", "aoffset": "fp32" if double_quant else "u8",
@@ -160,10 +160,9 @@ def operand_writes(sass: str) -> list[str]:
     return found
 
 
-def rs_report(trans=False, ordered=True, M=2048, N=4096, Kin=4096) -> str:
+def rs_report(trans=False, M=2048, N=4096, Kin=4096) -> str:
     """The same for the forward with the weight as the MMA's register operand (`trans`: the input
-    gradient through the transposed copy; `ordered`: W's codes in `nf4.thread_order`, as the device
-    copies on a Hopper GPU hold them): the registers, the instructions from each MMA of a
+    gradient through the transposed copy): the registers, the instructions from each MMA of a
     warpgroup's group of steps to the next (one WARPGROUP.ARRIVE to the next: a step's decode), and
     the writes into the operand registers of a MMA that may still be running (none is allowed)."""
     from aner.kernels import nf4_rs as R
@@ -172,7 +171,7 @@ def rs_report(trans=False, ordered=True, M=2048, N=4096, Kin=4096) -> str:
     absmax_t = torch.empty(rows // 64, red, dtype=torch.float32) if trans else None
     x_desc, c_desc, a_desc, o_desc, const, options = R.specialization(
         torch.empty(M, red, dtype=torch.bfloat16), torch.empty(rows, red // 8, dtype=torch.int32),
-        torch.empty(M, rows, dtype=torch.bfloat16), absmax_t, ordered)
+        torch.empty(M, rows, dtype=torch.bfloat16), absmax_t)
     descs = {"x_desc": x_desc, "c_desc": c_desc, "a_desc": a_desc, "o_desc": o_desc}
     if a_desc is None:
         const = dict(const, a_desc=None)

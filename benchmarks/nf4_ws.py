@@ -5,7 +5,6 @@ tests/test_kernels.py and twice the same bits, then do_bench medians.
 
     python benchmarks/nf4_ws.py results/<date>-h200-nf4-ws.json     (GPU machine, ~90 s)
 """
-import dataclasses
 import json
 import subprocess
 import sys
@@ -24,17 +23,10 @@ PROBLEMS = [(4096, 4096, 2048), (4096, 4096, 8192), (8192, 2048, 8192), (2048, 8
 
 
 def packed(N, Kin):
-    """A double-quantized NF4 weight of 0.02-scaled normal values on the GPU as the fused training
-    path holds it (`nf4_rs`'s transposed copy, the codes in `thread_order`), and it decoded in float64."""
+    """A double-quantized NF4 weight of 0.02-scaled normal values on the GPU (with the transposed
+    copy of `nf4_rs`'s input gradient), and it decoded in float64."""
     w = NF4Weight.quantize(torch.randn(N, Kin) * 0.02, double_quant=True)
     return K.DevicePacked.from_weight(w, "cuda", transposed=True), w.dequantize().to("cuda", torch.float64)
-
-
-def plain(p):
-    """The same device copy with W's codes as packed, which `nf4_ws_matmul` reads (`thread_order` undone)."""
-    if not p.ordered:
-        return p
-    return dataclasses.replace(p, codes=p.codes.view(-1, 4, 8).transpose(1, 2).reshape(-1), ordered=False)
 
 
 def bench(fn) -> float:
@@ -68,7 +60,6 @@ def run_variant(v):
     if not skip:        # against float64 (BF16 bound of tests/test_kernels.py), and twice the same bits
         for N, Kin, M in [(1000, 576, 300), (4096, 4096, 2048), (2048, 64, 4096), (136, 4096, 8192)]:
             p, Wd = packed(N, Kin)
-            p = plain(p)
             x, g = torch.randn(M, Kin, device="cuda").bfloat16(), torch.randn(M, N, device="cuda").bfloat16()
             for trans, a, want, scale in [(False, x, x.double() @ Wd.t(), x.double().abs() @ Wd.abs().t()),
                                           (True, g, g.double() @ Wd, g.double().abs() @ Wd.abs())]:
@@ -79,7 +70,6 @@ def run_variant(v):
     clocks_up()
     for N, Kin, M in PROBLEMS:
         p, Wd = packed(N, Kin)
-        p = plain(p)
         wd = Wd.bfloat16()
         x, g = torch.randn(M, Kin, device="cuda").bfloat16(), torch.randn(M, N, device="cuda").bfloat16()
         t = {"dense": bench(lambda: x @ wd.t()), "dense_t": bench(lambda: g @ wd),

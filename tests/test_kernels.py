@@ -189,28 +189,6 @@ def test_explicit_configs(config, dtype, shape):
     check_close(K.nf4_matmul_t(g, p, config=config), g.double() @ W, g.double().abs() @ W.abs(), dtype, g)
 
 
-@pytest.mark.parametrize("double_quant", [False, True], ids=["plain", "dq"])
-def test_ordered_copy_gives_the_same_bits(double_quant):
-    """A device copy with its codes in `thread_order` (as the fused path holds them on a Hopper GPU)
-    gives the bits of one with the codes as packed, through every Triton path: the products on whole
-    blocks (bk 64) and through the general decode (bk 32), the embedding rows and the whole decode.
-    Whole NF4 blocks in both dimensions are needed, or it is refused."""
-    w = NF4Weight.quantize(torch.randn(128, 192) * 0.02, double_quant=double_quant)
-    p, q = K.DevicePacked.from_weight(w, DEV, ordered=True), K.DevicePacked.from_weight(w, DEV, ordered=False)
-    assert p.ordered and not q.ordered and not torch.equal(p.codes, q.codes)
-    assert torch.equal(p.codes.cpu(), K.thread_order(w.codes))
-    dtype = DTYPES[-1]
-    x, g = randn(37, 192, dtype=dtype), randn(37, 128, dtype=dtype)
-    for config in (CONFIGS[0], CONFIGS[2]):
-        assert torch.equal(K.nf4_matmul(x, p, config=config), K.nf4_matmul(x, q, config=config))
-        assert torch.equal(K.nf4_matmul_t(g, p, config=config), K.nf4_matmul_t(g, q, config=config))
-    ids = torch.tensor([[0, 127, 5], [64, 64, 3]], device=DEV)
-    assert torch.equal(K.nf4_embedding(p, ids), K.nf4_embedding(q, ids))
-    assert torch.equal(K.nf4_decode(p, dtype), K.nf4_decode(q, dtype))
-    with pytest.raises(ConfigError, match="whole NF4 blocks"):
-        K.DevicePacked.from_weight(NF4Weight.quantize(torch.randn(64, 100)), DEV, ordered=True)
-
-
 # The faster benchmark variants (256-token tiles and/or the decoded weight as MMA operand A),
 # paired as (forward, input gradient), on tiles that are partial along every dimension: the
 # token count is not a multiple of bm, N not of bn, K not of bk; split 2 adds a fully masked
@@ -266,12 +244,10 @@ def test_warp_specialized_products(shape_m, double_quant, dtype):
     tiles a program."""
     from aner.kernels import nf4_rs, nf4_ws
     (N, Kin), M = shape_m
-    w, p, W = packed((N, Kin), double_quant)
-    plain = K.DevicePacked.from_weight(w, DEV)          # the codes as packed, which nf4_ws reads
+    _, p, W = packed((N, Kin), double_quant)
     x, g = randn(M, Kin, dtype=dtype), randn(M, N, dtype=dtype)
-    taken = [nf4_rs.supported(x, p), nf4_ws.fits(g, p, True)]
-    assert (p.codes_t is not None) == (N % 64 == 0 and Kin % 64 == 0) == p.ordered
-    assert nf4_ws.supported(g, p, True) == (taken[1] and not p.ordered)
+    taken = [nf4_rs.supported(x, p), nf4_ws.supported(g, p, True)]
+    assert (p.codes_t is not None) == (N % 64 == 0 and Kin % 64 == 0)
     assert any(taken)
     if taken[0]:
         poison(M, N, dtype=dtype)
@@ -281,14 +257,13 @@ def test_warp_specialized_products(shape_m, double_quant, dtype):
         # one tile a program, and the other kernel's persistent grid: every output summed in the
         # same order, to the same bits
         assert torch.equal(y, nf4_rs.nf4_rs_matmul(x, p, programs=None))
-        assert torch.equal(y, nf4_ws.nf4_ws_matmul(x, plain, False, programs=K.MULTIPROCESSORS))
-        assert torch.equal(y, nf4_rs.nf4_rs_matmul(x, plain))          # W's codes as packed: the other read
+        assert torch.equal(y, nf4_ws.nf4_ws_matmul(x, p, False, programs=K.MULTIPROCESSORS))
     if taken[1]:
         poison(M, Kin, dtype=dtype)
         dx = K.nf4_matmul_t(g, p)
         check_close(dx, g.double() @ W, g.double().abs() @ W.abs(), dtype, g)
         assert torch.equal(dx, K.nf4_matmul_t(g, p))
-        assert torch.equal(dx, nf4_ws.nf4_ws_matmul(g, plain, True, programs=K.MULTIPROCESSORS))
+        assert torch.equal(dx, nf4_ws.nf4_ws_matmul(g, p, True, programs=K.MULTIPROCESSORS))
         if nf4_rs.supported(g, p, True):
             assert torch.equal(dx, nf4_rs.nf4_rs_matmul(g, p, True, programs=None))
     assert nf4_rs.supported(g, p, True) == (taken[1] and p.codes_t is not None)
@@ -353,7 +328,6 @@ def test_transposed_copy(double_quant):
     assert p.nbytes() == w.nbytes() + (16 + 256) * 4 + (codes_t.nbytes + absmax_t.nbytes if HOPPER else 0)
     if HOPPER:
         assert torch.equal(p.codes_t.cpu(), codes_t) and torch.equal(p.absmax_t.cpu(), absmax_t)
-        assert p.ordered and torch.equal(p.codes.cpu(), K.thread_order(w.codes))
 
 
 def test_packed_and_errors():

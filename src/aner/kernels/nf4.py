@@ -5,9 +5,7 @@ the output and picks the grid, and (for the projection) an autograd Function. Th
 references are `NF4Weight.dequantize()` (+ a matmul) and `NF4Weight.dequantize_rows`.
 
 Format (see aner.quant.nf4): W is (N, K) = (out, in), flat index f = n * K + k. Byte f >> 1 of
-`codes` holds element f in its HIGH nibble when f is even, in its low nibble when f is odd. A
-device copy made for the register-operand kernel (`DevicePacked.ordered`) stores each block's 32
-bytes in that kernel's order instead (`thread_order`): byte 4 w + t at 8 t + w.
+`codes` holds element f in its HIGH nibble when f is even, in its low nibble when f is odd.
 Block b = f >> 6 has absmax[b], or with double quantization
     absmax[b] = DYNAMIC8_CODEBOOK[absmax_codes[b]] * absmax_scales[b >> 8] + absmax_offset.
 
@@ -26,13 +24,13 @@ registers/shared memory inside a matmul program: there is no dense copy of W on 
 no TileConfig given, a Hopper GPU runs the large FP16/BF16 ones through Gluon kernels: the forward
 through `nf4_rs.py` (the MMA warps decode into the MMA's register operand; `nf4_rs.supported`),
 and so the input gradient where the device copy holds W^T's codes too (`transposed_copy`, made
-for nf4_kernel="fused" on a Hopper GPU, where W's codes are held in `thread_order`); the others
-through the warp-specialized kernels of `nf4_ws.py` (the decode in warps of its own beside the
-MMA's, from W's codes as packed; `nf4_ws.supported`). The decoded products
-(`fused_nf4_linear(..., decoded=True)`, the profile's nf4_kernel="decoded") decode the whole W
-with `nf4_decode` into a transient buffer of the operand dtype, multiply it with cuBLAS and free
-it; backward decodes it again (nf4_kernel="decoded_kept": the forward's is kept for it). Their
-bits are those of a dense weight equal to NF4Weight.dequantize() rounded to that dtype.
+for nf4_kernel="fused" on a Hopper GPU); the others through the warp-specialized kernels of
+`nf4_ws.py` (the decode in warps of its own beside the MMA's; `nf4_ws.supported`). The
+decoded products (`fused_nf4_linear(..., decoded=True)`, the profile's nf4_kernel="decoded")
+decode the whole W with `nf4_decode` into a transient buffer of the operand dtype, multiply it
+with cuBLAS and free it; backward decodes it again (nf4_kernel="decoded_kept": the forward's is
+kept for it). Their bits are those of a dense weight equal to NF4Weight.dequantize() rounded to
+that dtype.
 
 Nothing uses atomics or autotuning: each output element is summed by one program in a fixed
 order (split-K partials are reduced by a second kernel in split order; cuBLAS runs under the
@@ -72,7 +70,7 @@ class DevicePacked:
     """An immutable device copy of an NF4Weight: the packed tensors and the two codebooks."""
     shape: tuple[int, int]                      # (N, K) = (out, in)
     double_quant: bool
-    codes: torch.Tensor                         # (ceil(N*K / 2),) uint8, high nibble first (`ordered`: thread_order's)
+    codes: torch.Tensor                         # (ceil(N*K / 2),) uint8, high nibble first
     absmax: torch.Tensor | None                 # (blocks,) float32, plain
     absmax_codes: torch.Tensor | None           # (blocks,) uint8, double quant
     absmax_scales: torch.Tensor | None          # (ceil(blocks / 256),) float32
@@ -82,14 +80,11 @@ class DevicePacked:
     # the transposed copy, for the input gradient with the weight as the MMA's register operand
     codes_t: torch.Tensor | None = None         # (K * N / 2,) uint8: W^T's codes (`transposed_copy`)
     absmax_t: torch.Tensor | None = None        # (K / 64, N) float32: block (n, b)'s in row b (`transposed_copy`)
-    ordered: bool = False                       # codes in `thread_order`
 
     @classmethod
-    def from_weight(cls, weight: NF4Weight, device, transposed: bool = False,
-                    ordered: bool | None = None) -> "DevicePacked":
-        """The device copy; with `transposed`, where the register-operand kernel runs (a Hopper GPU,
-        both dimensions whole NF4 blocks), also the transposed copy for its input gradient and the
-        codes in its order (`ordered`: None decides so; True or False where the dimensions allow)."""
+    def from_weight(cls, weight: NF4Weight, device, transposed: bool = False) -> "DevicePacked":
+        """The device copy; with `transposed`, also the transposed copy where the input gradient's
+        register-operand kernel runs (a Hopper GPU, both dimensions whole NF4 blocks)."""
         if not isinstance(weight, NF4Weight):
             raise ConfigError(f"weight must be an NF4Weight, got {type(weight).__name__}")
         device = torch.device(device)
@@ -101,18 +96,13 @@ class DevicePacked:
         codes = put(weight.codes)
         N, K = weight.shape
         codes_t = absmax_t = None
-        blocks = N % 64 == 0 and K % 64 == 0
-        if transposed and hopper(device) and blocks:
+        if transposed and hopper(device) and N % 64 == 0 and K % 64 == 0:
             codes_t, absmax_t = transposed_copy(weight, codes)
-        if ordered is None:
-            ordered = codes_t is not None
-        elif ordered and not blocks:
-            raise ConfigError(f"ordered=True needs whole NF4 blocks in both dimensions, not a {weight.shape} weight")
-        return cls(shape=weight.shape, double_quant=weight.double_quant,
-                   codes=thread_order(codes) if ordered else codes, absmax=put(weight.absmax),
-                   absmax_codes=put(weight.absmax_codes), absmax_scales=put(weight.absmax_scales),
-                   absmax_offset=put(offset), nf4_codebook=put(NF4_CODEBOOK), dynamic8_codebook=put(DYNAMIC8_CODEBOOK),
-                   codes_t=codes_t, absmax_t=absmax_t, ordered=ordered)
+        return cls(shape=weight.shape, double_quant=weight.double_quant, codes=codes,
+                   absmax=put(weight.absmax), absmax_codes=put(weight.absmax_codes),
+                   absmax_scales=put(weight.absmax_scales), absmax_offset=put(offset),
+                   nf4_codebook=put(NF4_CODEBOOK), dynamic8_codebook=put(DYNAMIC8_CODEBOOK),
+                   codes_t=codes_t, absmax_t=absmax_t)
 
     @property
     def device(self) -> torch.device:
@@ -134,20 +124,16 @@ class DevicePacked:
                 self.nf4_codebook, self.dynamic8_codebook)
 
 
-def thread_order(codes: torch.Tensor) -> torch.Tensor:
-    """Codes of whole NF4 blocks with byte 4 w + t of each block's 32 (columns 8 w + 2 t and
-    8 w + 2 t + 1) stored at 8 t + w: the 8 bytes that one thread of the register-operand kernel
-    decodes of a row (t = lane % 4) side by side, so each of a row's 4 threads reads its own 8
-    bytes, not the row's 32."""
-    return codes.view(-1, 8, 4).transpose(1, 2).reshape(-1)
-
-
 def transposed_copy(weight: NF4Weight, codes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """W^T's codes (made where `codes`, W's as packed, lie) in `thread_order` and the FP32 absmax of
-    W's blocks a column of W^T: (codes_t (K * N / 2,) uint8, absmax_t (K / 64, N) float32 there,
-    row b holding blocks (n, b), each 64 columns in the order below)."""
+    """W^T's codes (made where `codes`, W's, lie), each 64 of a row in the order below, and the FP32
+    absmax of W's blocks a column of W^T: (codes_t (K * N / 2,) uint8, absmax_t (K / 64, N) float32
+    there, row b holding blocks (n, b), each 64 columns in the order below)."""
     N, K = weight.shape
-    codes_t = thread_order(pack_nibbles(unpack_nibbles(codes, N * K).view(N, K).t()))
+    codes_t = pack_nibbles(unpack_nibbles(codes, N * K).view(N, K).t())
+    # byte 4 w + t of each 32 (columns 8 w + 2 t, 8 w + 2 t + 1, packed as W's are) stored at 8 t + w:
+    # the 8 bytes that one thread of the operand layout decodes (t = lane % 4) side by side, so the
+    # 4 threads of a row read 8 bytes each, not the row's 32 each
+    codes_t = codes_t.view(K, N // NF4_BLOCK, 8, 4).transpose(2, 3).reshape(-1)
     absmax_t = weight.block_absmax(0, N * K // NF4_BLOCK).view(N, K // NF4_BLOCK).t()
     # column 8 w + 2 t + e of each 64 stored at 16 (w // 2) + 4 t + 2 (w % 2) + e: the 16 that one
     # thread of the operand layout multiplies by (t = lane % 4) in four 16-byte loads, each of which
@@ -295,16 +281,13 @@ def _block_absmax(blk, mask, absmax, acodes, ascales, aoffset, dyncb, DQ: tl.con
 
 @triton.jit
 def _decode_any(codes, absmax, acodes, ascales, aoffset, nf4cb, dyncb, rows, row_mask, cols, K,
-                DQ: tl.constexpr, LUT: tl.constexpr, ORD: tl.constexpr):
+                DQ: tl.constexpr, LUT: tl.constexpr):
     """(R,) rows x (C,) cols -> (R, C) FP32 tile, general flat-index decode (any K, blocks that
-    straddle rows, partial last block; ORD: codes in `thread_order`). Masked elements decode to a
-    finite value: (+/-)0, or -absmax_offset with DQ."""
+    straddle rows, partial last block). Masked elements decode to a finite value: (+/-)0, or
+    -absmax_offset with DQ."""
     flat = rows.to(tl.int64)[:, None] * K + cols[None, :]              # (R, C) flat element ids
     mask = row_mask[:, None] & (cols < K)[None, :]
-    at = flat >> 1
-    if ORD:                                                             # byte 4 w + t of a block at 8 t + w
-        at = (at & ~31) | ((at & 3) << 3) | ((at >> 2) & 7)
-    byte = tl.load(codes + at, mask=mask, other=0)
+    byte = tl.load(codes + (flat >> 1), mask=mask, other=0)
     nib = tl.where((flat & 1) == 0, byte >> 4, byte & 15)
     am = _block_absmax(flat >> 6, mask, absmax, acodes, ascales, aoffset, dyncb, DQ)
     return _nf4_value(nib, nf4cb, LUT) * am
@@ -312,20 +295,18 @@ def _decode_any(codes, absmax, acodes, ascales, aoffset, nf4cb, dyncb, rows, row
 
 @triton.jit
 def _decode_k64(codes, absmax, acodes, ascales, aoffset, nf4cb, dyncb, rows, row_mask, grp0, K,
-                R: tl.constexpr, G: tl.constexpr, DQ: tl.constexpr, LUT: tl.constexpr, DT: tl.constexpr,
-                ORD: tl.constexpr):
+                R: tl.constexpr, G: tl.constexpr, DQ: tl.constexpr, LUT: tl.constexpr, DT: tl.constexpr):
     """Fast path for K % 64 == 0: rows x columns [64 * grp0, 64 * (grp0 + G)) -> (R, 64 G) in DT.
 
     Each row's 64-column group is exactly one NF4 block (b = row * K/64 + group) stored in 32
-    bytes, so the tile loads 32 bytes per block, one absmax per block, and splits nibbles (ORD:
-    codes in `thread_order`, read byte by byte in W's order).
+    bytes, so the tile loads 32 bytes per block, one absmax per block, and splits nibbles.
     """
     KG = K // 64
     g = grp0 + tl.arange(0, G)                                          # (G,) column groups
     mask = row_mask[:, None] & (g < KG)[None, :]                        # (R, G)
     blk = rows.to(tl.int64)[:, None] * KG + g[None, :]                  # (R, G) NF4 block ids
     am = _block_absmax(blk, mask, absmax, acodes, ascales, aoffset, dyncb, DQ)[:, :, None]
-    if LUT == 3 and DT != tl.float32 and not ORD:
+    if LUT == 3 and DT != tl.float32:
         # 8 words of 8 codes per block: each word is decoded whole with its own block's absmax.
         words = codes.to(tl.pointer_type(tl.int32)) + blk[:, :, None] * 8 + tl.arange(0, 8)[None, None, :]
         word = tl.load(words, mask=mask[:, :, None], other=0)                   # (R, G, 8)
@@ -340,10 +321,7 @@ def _decode_k64(codes, absmax, acodes, ascales, aoffset, nf4cb, dyncb, rows, row
                     tl.join(tl.join(v[1], v[5]), tl.join(v[3], v[7])))
         return tl.reshape(e, (R, G * 64))
     else:
-        j = tl.arange(0, 32)
-        if ORD:                                                         # byte 4 w + t of a block at 8 t + w
-            j = (j & 3) * 8 + (j >> 2)
-        byte_ofs = blk[:, :, None] * 32 + j[None, None, :]              # (R, G, 32)
+        byte_ofs = blk[:, :, None] * 32 + tl.arange(0, 32)[None, None, :]  # (R, G, 32)
         byte = tl.load(codes + byte_ofs, mask=mask[:, :, None], other=0)
         hi, lo = _nf4_byte_values(byte, nf4cb, LUT)                     # even, odd elements
         return tl.reshape(tl.join(hi * am, lo * am), (R, G * 64)).to(DT)  # (R, G, 32, 2) -> (R, 64 G)
@@ -352,15 +330,15 @@ def _decode_k64(codes, absmax, acodes, ascales, aoffset, nf4cb, dyncb, rows, row
 @triton.jit
 def _decode_tile(codes, absmax, acodes, ascales, aoffset, nf4cb, dyncb, rows, row_mask, col0, K,
                  R: tl.constexpr, C: tl.constexpr, FAST: tl.constexpr, DQ: tl.constexpr,
-                 LUT: tl.constexpr, DT: tl.constexpr, ORD: tl.constexpr):
+                 LUT: tl.constexpr, DT: tl.constexpr):
     """Weight rows `rows` x columns col0 .. col0 + C - 1 -> (R, C) in the matmul operand dtype DT
-    (FAST: col0 % 64 == 0; ORD: codes in `thread_order`)."""
+    (FAST: col0 % 64 == 0)."""
     if FAST:
         return _decode_k64(codes, absmax, acodes, ascales, aoffset, nf4cb, dyncb, rows, row_mask,
-                           col0 // 64, K, R, C // 64, DQ, LUT, DT, ORD)
+                           col0 // 64, K, R, C // 64, DQ, LUT, DT)
     else:
         return _decode_any(codes, absmax, acodes, ascales, aoffset, nf4cb, dyncb, rows, row_mask,
-                           col0 + tl.arange(0, C), K, DQ, LUT, ORD).to(DT)
+                           col0 + tl.arange(0, C), K, DQ, LUT).to(DT)
 
 
 @triton.jit
@@ -390,7 +368,7 @@ def _nf4_matmul_kernel(x, y, part, codes, absmax, acodes, ascales, aoffset, nf4c
                        M, N, K, STEPS_PER_SPLIT: tl.constexpr,
                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
                        SPLIT: tl.constexpr, FAST: tl.constexpr, DQ: tl.constexpr, LUT: tl.constexpr,
-                       SWAP: tl.constexpr, TC: tl.constexpr, ORD: tl.constexpr):
+                       SWAP: tl.constexpr, TC: tl.constexpr):
     """y (M, N) = x (M, K) @ W^T; program (tile, s) sums K steps [s, s + 1) * STEPS_PER_SPLIT of BK.
 
     SWAP computes the transposed tile W x^T, so the decoded weight is the register operand (A)
@@ -414,7 +392,7 @@ def _nf4_matmul_kernel(x, y, part, codes, absmax, acodes, ascales, aoffset, nf4c
         offs_k = k0 + tl.arange(0, BK)
         xt = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & (offs_k < K)[None, :], other=0.0)
         w = _decode_tile(codes, absmax, acodes, ascales, aoffset, nf4cb, dyncb, offs_n, n_mask, k0, K,
-                         BN, BK, FAST, DQ, LUT, xt.dtype, ORD)           # (BN, BK), x's dtype
+                         BN, BK, FAST, DQ, LUT, xt.dtype)                # (BN, BK), x's dtype
         if SWAP:
             acc = _dot(w, tl.trans(xt), acc, TC)
         else:
@@ -434,7 +412,7 @@ def _nf4_matmul_t_kernel(g, dx, part, codes, absmax, acodes, ascales, aoffset, n
                          M, N, K, STEPS_PER_SPLIT: tl.constexpr,
                          BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
                          SPLIT: tl.constexpr, FAST: tl.constexpr, DQ: tl.constexpr, LUT: tl.constexpr,
-                         SWAP: tl.constexpr, TC: tl.constexpr, ORD: tl.constexpr):
+                         SWAP: tl.constexpr, TC: tl.constexpr):
     """dx (M, K) = g (M, N) @ W; program (tile, s) sums N steps [s, s + 1) * STEPS_PER_SPLIT of BN.
 
     The output tile is (BM, BK); the decoded weight tile (BN, BK) is the B operand, or with SWAP
@@ -456,7 +434,7 @@ def _nf4_matmul_t_kernel(g, dx, part, codes, absmax, acodes, ascales, aoffset, n
         n_mask = offs_n < N
         gt = tl.load(g_rows + offs_n[None, :], mask=m_mask[:, None] & n_mask[None, :], other=0.0)
         w = _decode_tile(codes, absmax, acodes, ascales, aoffset, nf4cb, dyncb, offs_n, n_mask,
-                         pid_k * BK, K, BN, BK, FAST, DQ, LUT, gt.dtype, ORD)  # (BN, BK), g's dtype
+                         pid_k * BK, K, BN, BK, FAST, DQ, LUT, gt.dtype)      # (BN, BK), g's dtype
         if SWAP:
             acc = _dot(tl.trans(w), tl.trans(gt), acc, TC)
         else:
@@ -473,13 +451,13 @@ def _nf4_matmul_t_kernel(g, dx, part, codes, absmax, acodes, ascales, aoffset, n
 
 @triton.jit
 def _nf4_rows_kernel(ids, out, codes, absmax, acodes, ascales, aoffset, nf4cb, dyncb, n_ids, K,
-                     BR: tl.constexpr, BC: tl.constexpr, DQ: tl.constexpr, LUT: tl.constexpr, ORD: tl.constexpr):
+                     BR: tl.constexpr, BC: tl.constexpr, DQ: tl.constexpr, LUT: tl.constexpr):
     """out[i, :] = decoded row ids[i] (FP32), BR ids x BC columns per program."""
     offs_i = tl.program_id(0) * BR + tl.arange(0, BR)
     i_mask = offs_i < n_ids
     rows = tl.load(ids + offs_i, mask=i_mask, other=0)
     cols = tl.program_id(1) * BC + tl.arange(0, BC)
-    w = _decode_any(codes, absmax, acodes, ascales, aoffset, nf4cb, dyncb, rows, i_mask, cols, K, DQ, LUT, ORD)
+    w = _decode_any(codes, absmax, acodes, ascales, aoffset, nf4cb, dyncb, rows, i_mask, cols, K, DQ, LUT)
     tl.store(out + offs_i.to(tl.int64)[:, None] * K + cols[None, :], w,
              mask=i_mask[:, None] & (cols < K)[None, :])
 
@@ -487,7 +465,7 @@ def _nf4_rows_kernel(ids, out, codes, absmax, acodes, ascales, aoffset, nf4cb, d
 @triton.jit
 def _nf4_decode_kernel(out, out_rows, codes, absmax, acodes, ascales, aoffset, nf4cb, dyncb, N, K,
                        BR: tl.constexpr, BC: tl.constexpr, FAST: tl.constexpr, DQ: tl.constexpr,
-                       LUT: tl.constexpr, ORD: tl.constexpr):
+                       LUT: tl.constexpr):
     """out (N, K) = W in out's dtype (rows out_rows apart), one (BR, BC) tile per program (FAST:
     K % 64 == 0)."""
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
@@ -495,7 +473,7 @@ def _nf4_decode_kernel(out, out_rows, codes, absmax, acodes, ascales, aoffset, n
     cols = col0 + tl.arange(0, BC)
     r_mask = rows < N
     w = _decode_tile(codes, absmax, acodes, ascales, aoffset, nf4cb, dyncb, rows, r_mask, col0, K,
-                     BR, BC, FAST, DQ, LUT, out.dtype.element_ty, ORD)
+                     BR, BC, FAST, DQ, LUT, out.dtype.element_ty)
     tl.store(out + rows.to(tl.int64)[:, None] * out_rows + cols[None, :], w, mask=r_mask[:, None] & (cols < K)[None, :])
 
 
@@ -632,7 +610,6 @@ def _launch_matmul(kernel, a, packed, M, R, Q, out_cols, config, op):
     kernel[(tiles, split)](a, out, part, *packed._args(), M, N, K, STEPS_PER_SPLIT=per,
                            BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, GROUP_M=cfg.group_m, SPLIT=split,
                            FAST=fast, DQ=packed.double_quant, LUT=cfg.lut, SWAP=cfg.swap, TC=cfg.tc,
-                           ORD=packed.ordered,
                            num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False)
     if split > 1:
         sum_splits(part, out)
@@ -682,8 +659,7 @@ def nf4_embedding(packed: DevicePacked, ids: torch.Tensor, lut: int = 0) -> torc
         br, bc = 4, min(1024, _pow2_at_least(K, 16))
         grid = (-(-flat.numel() // br), -(-K // bc))
         _nf4_rows_kernel[grid](flat, out, *packed._args(), flat.numel(), K, BR=br, BC=bc,
-                               DQ=packed.double_quant, LUT=lut, ORD=packed.ordered, num_warps=4,
-                               enable_fp_fusion=False)
+                               DQ=packed.double_quant, LUT=lut, num_warps=4, enable_fp_fusion=False)
     return out.reshape(*ids.shape, K)
 
 
@@ -700,8 +676,7 @@ def nf4_decode(packed: DevicePacked, dtype: torch.dtype = torch.float32, left: i
     br, bc = 16, 256
     _nf4_decode_kernel[(-(-N // br), -(-K // bc))](out[:, left:], out.stride(0), *packed._args(), N, K, BR=br, BC=bc,
                                                    FAST=K % 64 == 0, DQ=packed.double_quant,
-                                                   LUT=1 if INTERPRETING else 3, ORD=packed.ordered, num_warps=4,
-                                                   enable_fp_fusion=False)
+                                                   LUT=1 if INTERPRETING else 3, num_warps=4, enable_fp_fusion=False)
     return out
 
 

@@ -17,10 +17,9 @@ handoff, no decode warps. The first operand being the weight, a program makes ti
 The input gradient dx = g @ W is the same product of g and W^T, whose blocks run down its
 columns: it reads the device copy's transposed codes (`DevicePacked.codes_t`) and with each
 step's code words the FP32 absmax of the step's 64 columns (`absmax_t`, COLS), each element
-multiplied by its column's. That copy, and W's codes where the device copy is made for this kernel
-(`DevicePacked.ordered`), store the 8 bytes a thread decodes of a row side by side
-(`nf4.thread_order`): a thread reads 8 bytes a row and step, where W's codes as packed have each of
-a row's 4 lanes read all its 32 (ORD; the kernel reads either).
+multiplied by its column's. That copy stores the 8 bytes a thread decodes of a row side by side,
+so a thread reads 8 bytes a row and step where W's own layout has each of a row's 4 lanes read all
+its 32.
 
 An MMA's operand registers may not be written until a wait has seen it finish, and ptxas is not
 bound to keep them from other values: each step's are held past that wait (`_hold`), so two
@@ -56,27 +55,28 @@ GROUP_M = 8
 
 
 @functools.cache
-def _shuffle_lookup_asm(cvt: str, ordered: bool, columns: bool) -> str:
+def _shuffle_lookup_asm(cvt: str, columns: bool) -> str:
     """PTX for four code words of one row ($4, $6, $8, $10), the lane's byte t ($12), the block
     absmax of every element ($20 .. $27: one for the row, or with `columns` one a column: $20 + 2i + e
     for element e of word i) and the lane's codebook entry ($28: lane l holds code l % 16's value)
     -> the two values of byte t of each word: $i = (its high nibble's, its low nibble's) of word i,
     a pair of 16-bit floats as the MMA's operand registers hold them (byte k holds element 2k in its
-    high nibble). With `ordered` the four are one register (the same in each) that holds byte t of
-    each word (byte i of it word i's: `nf4.thread_order`), so each byte is at a fixed shift. A value
-    is read from the lane of its code by a shuffle within each half-warp, which takes the low 4 bits
-    of the index; then absmax times it in FP32, rounded by `cvt`."""
+    high nibble). With `columns` the four are one register (the same in each) that holds byte t of
+    each word (byte i of it word i's: the transposed copy's layout), so each byte is at a fixed
+    shift. A value is read from the lane of its code by a shuffle within each half-warp, which takes
+    the low 4 bits of the index; then absmax times it in FP32, rounded by `cvt`."""
     lines = [".reg .b32 lo, hi;", ".reg .f32 vl, vh;"]
-    if not ordered:
+    if not columns:
         lines += [".reg .b32 sh;", "shl.b32 sh, $12, 3;"]
     for i in range(4):
         word = f"${4 + 2 * i}"
-        if ordered:
+        if columns:
+            low, high = f"${21 + 2 * i}", f"${20 + 2 * i}"
             lines += [f"shr.b32 lo, {word}, {8 * i};" if i else f"mov.b32 lo, {word};",
                       f"shr.b32 hi, {word}, {8 * i + 4};"]
         else:
+            low = high = "$20"
             lines += [f"shr.b32 lo, {word}, sh;", "shr.b32 hi, lo, 4;"]
-        low, high = (f"${21 + 2 * i}", f"${20 + 2 * i}") if columns else ("$20", "$20")
         lines += ["shfl.sync.idx.b32 vl, $28, lo, 0x100f, -1;", "shfl.sync.idx.b32 vh, $28, hi, 0x100f, -1;",
                   f"mul.rn.f32 vl, vl, {low};", f"mul.rn.f32 vh, vh, {high};", f"{cvt} ${i}, vl, vh;"]
     return "{\n" + "\n".join(lines) + "\n}"
@@ -135,27 +135,26 @@ def _hold(a):
 
 
 @gluon.jit
-def _ahead(c_buf, a_buf, amc, read_l: gl.constexpr, words_l: gl.constexpr, am_l: gl.constexpr, ORD: gl.constexpr,
-           COLS: gl.constexpr, ROW0: gl.constexpr):
+def _ahead(c_buf, a_buf, amc, read_l: gl.constexpr, words_l: gl.constexpr, am_l: gl.constexpr, COLS: gl.constexpr,
+           ROW0: gl.constexpr):
     """A step's code words of the warpgroup's rows from c_buf, as (row, h, i): word 4 h + i, or with
-    ORD as (row, h, t): the register of byte t of words 4 h .. 4 h + 3; with COLS also the absmax
+    COLS as (row, h, t): the register of byte t of words 4 h .. 4 h + 3; with COLS also the absmax
     of its columns (the thread's (h, i, t, e) of the row of blocks) from a_buf, without amc as given."""
     R: gl.constexpr = 64
     read = c_buf.slice(ROW0, R).load(read_l)
-    if ORD:
-        words = gl.permute(gl.reshape(read, [R, 4, 2]), (0, 2, 1))
-    else:
-        words = gl.reshape(read, [R, 2, 4])
     if COLS:
+        words = gl.permute(gl.reshape(read, [R, 4, 2]), (0, 2, 1))
         amc = gl.expand_dims(a_buf.slice(ROW0 // R, 1)._reinterpret(gl.float32, [2, 4, 4, 2], _COLUMNS).load(am_l),
                              0)
+    else:
+        words = gl.reshape(read, [R, 2, 4])
     return gl.convert_layout(words, words_l, assert_trivial=True), amc
 
 
 @gluon.jit
 def _issue(acc, h, am4, wn, amc, x_bufs, c_bufs, a_bufs, ready, t, e, cb, read_l: gl.constexpr, words_l: gl.constexpr,
-           am_l: gl.constexpr, a_l: gl.constexpr, LOOKUP: gl.constexpr, ORD: gl.constexpr, COLS: gl.constexpr,
-           ROW0: gl.constexpr, u: gl.constexpr):
+           am_l: gl.constexpr, a_l: gl.constexpr, LOOKUP: gl.constexpr, COLS: gl.constexpr, ROW0: gl.constexpr,
+           u: gl.constexpr):
     """Step u of a group, its code words wn (with COLS and absmax amc) read a step before: its slot
     waited for, the next step's read from it, its rows decoded into operand registers, its MMA
     issued -> (acc, the operand, the slot, the next step's words and absmax)."""
@@ -168,8 +167,8 @@ def _issue(acc, h, am4, wn, amc, x_bufs, c_bufs, a_bufs, ready, t, e, cb, read_l
         am = gl.inline_asm_elementwise("shfl.sync.idx.b32 $0, $1, $2, 0x1c03, -1;", "=r,r,r", [am4, t * 0 + u],
                                        dtype=gl.float32, is_pure=True, pack=1)
     mbarrier.wait(ready.index(s), (h // S) & 1)
-    words = gl.expand_dims(gl.expand_dims(wn, 2 if ORD else 3), 4)
-    wn, amc = _ahead(c_bufs.index(s), a_bufs.index(s), amc, read_l, words_l, am_l, ORD, COLS, ROW0)
+    words = gl.expand_dims(gl.expand_dims(wn, 2 if COLS else 3), 4)
+    wn, amc = _ahead(c_bufs.index(s), a_bufs.index(s), amc, read_l, words_l, am_l, COLS, ROW0)
     if LOOKUP == "":                # the decode left out (timing only)
         v = (words + t + e).to(x_bufs.dtype)
     else:
@@ -182,8 +181,8 @@ def _issue(acc, h, am4, wn, amc, x_bufs, c_bufs, a_bufs, ready, t, e, cb, read_l
 @gluon.jit
 def _steps(acc, h, k, am_next, am_next4, wn, amc, x_bufs, c_bufs, a_bufs, ready, empty, rows, blk, t, e, cb, absmax,
            acodes, ascales, aoffset, dyncb, N, steps, read_l: gl.constexpr, words_l: gl.constexpr, am_l: gl.constexpr,
-           a_l: gl.constexpr, DQ: gl.constexpr, LOOKUP: gl.constexpr, ORD: gl.constexpr, COLS: gl.constexpr,
-           ROW0: gl.constexpr, U: gl.constexpr):
+           a_l: gl.constexpr, DQ: gl.constexpr, LOOKUP: gl.constexpr, COLS: gl.constexpr, ROW0: gl.constexpr,
+           U: gl.constexpr):
     """Steps k .. k + U - 1 of a warpgroup: each decoded while the MMA of the one before runs, its
     MMA issued before that one is waited for, the last waited for at the end; every step's operand
     registers held until the wait that sees its MMA finish. `am_next` holds the absmax of the
@@ -200,10 +199,10 @@ def _steps(acc, h, k, am_next, am_next4, wn, amc, x_bufs, c_bufs, a_bufs, ready,
             am_next4 = _absmax(blk + k + U + 4 + t, (rows < N) & (k + U + 4 + t < steps), absmax, acodes, ascales,
                                aoffset, dyncb, DQ)
     acc, a_prev, s_prev, wn, amc = _issue(acc, h, am4, wn, amc, x_bufs, c_bufs, a_bufs, ready, t, e, cb, read_l,
-                                          words_l, am_l, a_l, LOOKUP, ORD, COLS, ROW0, 0)
+                                          words_l, am_l, a_l, LOOKUP, COLS, ROW0, 0)
     for u in gl.static_range(1, U):
         acc, a, s, wn, amc = _issue(acc, h + u, am4 if u < 4 else am8, wn, amc, x_bufs, c_bufs, a_bufs, ready, t, e,
-                                    cb, read_l, words_l, am_l, a_l, LOOKUP, ORD, COLS, ROW0, u % 4)
+                                    cb, read_l, words_l, am_l, a_l, LOOKUP, COLS, ROW0, u % 4)
         acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
         _hold(a_prev)
         mbarrier.arrive(empty.index(s_prev))
@@ -218,7 +217,7 @@ def _steps(acc, h, k, am_next, am_next4, wn, amc, x_bufs, c_bufs, a_bufs, ready,
 @gluon.jit
 def _multiply(x_bufs, c_bufs, a_bufs, c_first, a_first, ready, empty, o_desc, o_buf, absmax, acodes, ascales, aoffset,
               nf4cb, dyncb, M, N, K, steps, GROUP: gl.constexpr, DQ: gl.constexpr, LOOKUP: gl.constexpr,
-              ORD: gl.constexpr, COLS: gl.constexpr, U: gl.constexpr, ROW0: gl.constexpr):
+              COLS: gl.constexpr, U: gl.constexpr, ROW0: gl.constexpr):
     """A warpgroup: rows ROW0 .. ROW0 + 63 of every tile of the program, its steps U at a time."""
     BTc: gl.constexpr = x_bufs.type.shape[1]
     BFc: gl.constexpr = c_bufs.type.shape[1]
@@ -234,8 +233,8 @@ def _multiply(x_bufs, c_bufs, a_bufs, c_first, a_first, ready, empty, o_desc, o_
         warp_bases=[[16, 0, 0, 0, 0], [32, 0, 0, 0, 0]], block_bases=[], shape=[R, 2, 4, 4, 2])
     w4: gl.constexpr = gl.SliceLayout(4, w5)
     # a step's words (`_ahead`): W's rows whole in each of a row's 4 lanes, (row, 8 words) read as
-    # (row, h, i); in `nf4.thread_order` a thread's 16 bytes of its two rows, (row, 2 t + h) read as (row, h, t)
-    if ORD:
+    # (row, h, i); the transposed copy's 16 bytes of a thread's two rows, (row, 2 t + h) read as (row, h, t)
+    if COLS:
         words_l: gl.constexpr = gl.SliceLayout(2, w4)
         read_l: gl.constexpr = gl.DistributedLinearLayout(
             reg_bases=[[0, 1], [8, 0]], lane_bases=[[0, 2], [0, 4], [1, 0], [2, 0], [4, 0]],
@@ -250,9 +249,6 @@ def _multiply(x_bufs, c_bufs, a_bufs, c_first, a_first, ready, empty, o_desc, o_
         0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, w4)))), 0), 1), 2), 4)   # (1, 1, 1, 4, 1)
     e = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.arange(
         0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, w5))))), 0), 0), 0), 0)
-    # (1, 1, 4, 1, 2): the lookup's operands span every (i, e) also where the words do not vary with i
-    e = e + 0 * gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.arange(
-        0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, w4)))), 0), 1), 3), 4)
     r = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(ROW0 + gl.arange(
         0, R, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, w4)))), 1), 2), 3), 4)  # (R, 1, 1, 1, 1)
     # lane l = t + 4 (row % 8) holds codebook entry l % 16
@@ -260,7 +256,7 @@ def _multiply(x_bufs, c_bufs, a_bufs, c_first, a_first, ready, empty, o_desc, o_
     KB = K // 64
     # the program's first step's words (and absmax: without COLS a placeholder), come with its first slot
     mbarrier.wait(ready.index(0), 0)
-    wn, amc = _ahead(c_first, a_first, t * 0.0, read_l, words_l, am_l, ORD, COLS, ROW0)
+    wn, amc = _ahead(c_first, a_first, t * 0.0, read_l, words_l, am_l, COLS, ROW0)
     h = 0
     for tile in range(gl.program_id(0), gl.cdiv(M, BTc) * gl.cdiv(N, BFc), gl.num_programs(0)):
         off_m, off_n = _tile(tile, M, N, BTc, BFc, GROUP)
@@ -276,16 +272,16 @@ def _multiply(x_bufs, c_bufs, a_bufs, c_first, a_first, ready, empty, o_desc, o_
         for i in range(steps % U):          # the steps short of a whole group, one at a time
             acc, h, k, am_next, am_next4, wn, amc = _steps(
                 acc, h, k, am_next, am_next4, wn, amc, x_bufs, c_bufs, a_bufs, ready, empty, rows, blk, t, e, cb,
-                absmax, acodes, ascales, aoffset, dyncb, N, steps, read_l, words_l, am_l, a_l, DQ, LOOKUP, ORD, COLS,
-                ROW0, 1)
+                absmax, acodes, ascales, aoffset, dyncb, N, steps, read_l, words_l, am_l, a_l, DQ, LOOKUP, COLS, ROW0,
+                1)
         if (U == 8) & (not COLS):          # the absmax of steps k + 4 + t (lane t of each row)
             am_next4 = _absmax(blk + k + 4 + t, (rows < N) & (k + 4 + t < steps), absmax, acodes, ascales, aoffset,
                                dyncb, DQ)
         for i in range(steps // U):
             acc, h, k, am_next, am_next4, wn, amc = _steps(
                 acc, h, k, am_next, am_next4, wn, amc, x_bufs, c_bufs, a_bufs, ready, empty, rows, blk, t, e, cb,
-                absmax, acodes, ascales, aoffset, dyncb, N, steps, read_l, words_l, am_l, a_l, DQ, LOOKUP, ORD, COLS,
-                ROW0, U)
+                absmax, acodes, ascales, aoffset, dyncb, N, steps, read_l, words_l, am_l, a_l, DQ, LOOKUP, COLS, ROW0,
+                U)
         # the tile transposed through shared memory, stored by TMA while the next tile runs
         tma.store_wait(0)
         o_buf.store(gl.permute(acc.to(o_buf.dtype), (1, 0)))
@@ -296,11 +292,10 @@ def _multiply(x_bufs, c_bufs, a_bufs, c_first, a_first, ready, empty, o_desc, o_
 
 @gluon.jit
 def _nf4_rs_kernel(x_desc, c_desc, a_desc, o_desc, absmax, acodes, ascales, aoffset, nf4cb, dyncb, M, N, K, steps,
-                   DQ: gl.constexpr, GROUP: gl.constexpr, S: gl.constexpr, LOOKUP: gl.constexpr, ORD: gl.constexpr,
-                   COLS: gl.constexpr, U: gl.constexpr):
-    """y = x @ W^T (with COLS: W the transposed copy, its absmax a column, from a_desc; ORD: the
-    codes in `nf4.thread_order`); a program walks the tiles pid, pid + programs, ..., its steps
-    numbered across them."""
+                   DQ: gl.constexpr, GROUP: gl.constexpr, S: gl.constexpr, LOOKUP: gl.constexpr, COLS: gl.constexpr,
+                   U: gl.constexpr):
+    """y = x @ W^T (with COLS: W the transposed copy, its absmax a column, from a_desc); a program
+    walks the tiles pid, pid + programs, ..., its steps numbered across them."""
     x_bufs = gl.allocate_shared_memory(x_desc.dtype, [S] + x_desc.block_type.shape, x_desc.layout)
     c_bufs = gl.allocate_shared_memory(c_desc.dtype, [S] + c_desc.block_type.shape, c_desc.layout)
     c_first = gl.allocate_shared_memory(c_desc.dtype, c_desc.block_type.shape, c_desc.layout)
@@ -318,40 +313,38 @@ def _nf4_rs_kernel(x_desc, c_desc, a_desc, o_desc, absmax, acodes, ascales, aoff
         mbarrier.init(empty.index(s), count=2)            # both warpgroups read a slot
     gl.warp_specialize([
         (_multiply, (x_bufs, c_bufs, a_bufs, c_first, a_first, ready, empty, o_desc, o_bufs.index(0), absmax, acodes,
-                     ascales, aoffset, nf4cb, dyncb, M, N, K, steps, GROUP, DQ, LOOKUP, ORD, COLS, U, 0)),
+                     ascales, aoffset, nf4cb, dyncb, M, N, K, steps, GROUP, DQ, LOOKUP, COLS, U, 0)),
         (_multiply, (x_bufs, c_bufs, a_bufs, c_first, a_first, ready, empty, o_desc, o_bufs.index(1), absmax, acodes,
-                     ascales, aoffset, nf4cb, dyncb, M, N, K, steps, GROUP, DQ, LOOKUP, ORD, COLS, U, 64)),
+                     ascales, aoffset, nf4cb, dyncb, M, N, K, steps, GROUP, DQ, LOOKUP, COLS, U, 64)),
         (_loads, (x_desc, c_desc, a_desc, x_bufs, c_bufs, a_bufs, c_first, a_first, ready, empty, M, N, steps, GROUP,
                   COLS)),
     ], [4, 1], [240, 24] if COLS else [232, 40])     # at 240: input gradient 1%-1.5% faster, forward ~0.6% slower
 
 
 def supported(x: torch.Tensor, packed, trans: bool = False) -> bool:
-    """Whether the kernel takes x @ W^T (x @ W with `trans`): where it fits `nf4_ws`'s tiles (a
-    Hopper GPU, FP16/BF16, whole NF4 blocks in every row, TMA-aligned rows of x, at least a wave of
-    the same 256 x 128 tiles) and the output's rows are TMA-aligned too (N % 8 == 0); with `trans`,
-    where the packed copy has its transposed copy (`DevicePacked.codes_t`)."""
+    """Whether the kernel takes x @ W^T (x @ W with `trans`): where `nf4_ws` takes it (a Hopper GPU,
+    FP16/BF16, whole NF4 blocks in every row, TMA-aligned rows of x, at least a wave of the same
+    256 x 128 tiles) and the output's rows are TMA-aligned too (N % 8 == 0); with `trans`, where
+    the packed copy has its transposed copy (`DevicePacked.codes_t`)."""
     if trans:
-        return packed.codes_t is not None and nf4_ws.fits(x, packed, True)
-    return nf4_ws.fits(x, packed, False) and packed.shape[0] % 8 == 0
+        return packed.codes_t is not None and nf4_ws.supported(x, packed, True)
+    return nf4_ws.supported(x, packed, False) and packed.shape[0] % 8 == 0
 
 
-def specialization(x, words, out, absmax_t=None, ordered=False, stages=4, in_flight=8, skip=False):
-    """TMA descriptors of x (M, K), the (N, K / 8) int32 code words (with `ordered` or a transposed
-    copy in `nf4.thread_order`), the (N / 64, K) FP32 absmax a column of a transposed copy (None: the
-    codes' own blocks, along each row) and y (M, N); the kernel's compile-time constants (but DQ)
-    and its launch options: a ring `stages` deep, steps `in_flight` (1-4 or 8) a group, and `skip`
-    (timing only, wrong values) leaves the decode out. Host tensors give what a compile-only report
-    needs."""
+def specialization(x, words, out, absmax_t=None, stages=4, in_flight=8, skip=False):
+    """TMA descriptors of x (M, K), the (N, K / 8) int32 code words, the (N / 64, K) FP32 absmax a
+    column of a transposed copy (None: the codes' own blocks, along each row) and y (M, N); the
+    kernel's compile-time constants (but DQ) and its launch options: a ring `stages` deep, steps
+    `in_flight` (1-4 or 8) a group, and `skip` (timing only, wrong values) leaves the decode out. Host
+    tensors give what a compile-only report needs."""
     dt = _GL[x.dtype]
     x_desc = TensorDescriptor.from_tensor(x, [BT, 64], layout((BT, 64), dt))
     c_desc = TensorDescriptor.from_tensor(words, [BF, 8], layout((BF, 8), gl.int32))
     o_desc = TensorDescriptor.from_tensor(out, [BT, 64], layout((BT, 64), dt))
     cols = absmax_t is not None
     a_desc = TensorDescriptor.from_tensor(absmax_t, [BF // 64, 64], _PLAIN) if cols else None
-    ordered = ordered or cols
-    const = dict(GROUP=GROUP_M, S=stages, LOOKUP="" if skip else _shuffle_lookup_asm(_CVT[x.dtype], ordered, cols),
-                 ORD=ordered, COLS=cols, U=in_flight)
+    const = dict(GROUP=GROUP_M, S=stages, LOOKUP="" if skip else _shuffle_lookup_asm(_CVT[x.dtype], cols), COLS=cols,
+                 U=in_flight)
     # 4 + 4 + 1 warps, the loader's padded to 4: 12 warps' registers at launch, then the kernel's split
     options = dict(num_warps=4, maxnreg=65536 // (32 * 12) // 8 * 8, enable_fp_fusion=False)
     return x_desc, c_desc, a_desc, o_desc, const, options
@@ -368,7 +361,7 @@ def nf4_rs_matmul(x, packed, trans=False, programs=MULTIPROCESSORS, **tiles):
     out = torch.empty(M, N, device=x.device, dtype=x.dtype)
     words = (packed.codes_t if trans else packed.codes).view(torch.int32).view(N, K // 8)
     x_desc, c_desc, a_desc, o_desc, const, options = specialization(
-        x, words, out, packed.absmax_t if trans else None, packed.ordered, **tiles)
+        x, words, out, packed.absmax_t if trans else None, **tiles)
     count = -(-M // BT) * -(-N // BF)
     _, absmax, acodes, ascales, aoffset, nf4cb, dyncb = packed._args()
     _nf4_rs_kernel[(min(count, programs or count),)](

@@ -31,7 +31,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma, warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from ..errors import ConfigError
 from .nf4 import _TABLE_BF16, _TABLE_F16, _TABLE_IO, MULTIPROCESSORS, hopper
 
 BO = 128            # output features a tile
@@ -265,21 +264,15 @@ def layout(shape: tuple, dtype) -> gl.NVMMASharedLayout:
 BM = 256            # tokens a tile: two warpgroups of the MMA partition, 128 rows each
 
 
-def fits(a: torch.Tensor, packed, trans: bool) -> bool:
-    """Whether a @ W^T (a @ W with `trans`) has the shape these Gluon kernels take: a Hopper GPU,
+def supported(a: torch.Tensor, packed, trans: bool) -> bool:
+    """Whether the warp-specialized kernel takes a @ W^T (a @ W with `trans`): a Hopper GPU,
     FP16/BF16, whole NF4 blocks in every row, TMA-aligned rows, and at least a wave of tiles
-    (no split of the reduced dimension; the Triton kernels have one)."""
+    (it has no split of the reduced dimension; the Triton kernels do)."""
     N, K = packed.shape
     O = K if trans else N
     return (hopper(a.device) and a.dtype in _GL
             and K % 64 == 0 and (not trans or N % 8 == 0) and a.data_ptr() % 16 == 0
             and -(-a.shape[0] // BM) * -(-O // BO) >= MULTIPROCESSORS)
-
-
-def supported(a: torch.Tensor, packed, trans: bool) -> bool:
-    """Whether the warp-specialized kernel takes a @ W^T (a @ W with `trans`): where it `fits`,
-    from W's codes as packed (not a copy in `nf4.thread_order`, which `nf4_rs` reads)."""
-    return fits(a, packed, trans) and not packed.ordered
 
 
 def specialization(a, words, trans, bm=BM, dw=4, dregs=72, stages=(4, 4, 8), skip=False):
@@ -304,9 +297,6 @@ def nf4_ws_matmul(a, packed, trans, programs=None, **tiles):
     with `programs` programs, each walking every programs-th tile (default: one a tile: a
     persistent grid of one a multiprocessor was 5-10% faster on two of three shapes at 8192
     tokens, 5% slower on the third, and 1.42x or 2.02x dense at 2048 in two calls; NOTES)."""
-    if packed.ordered:
-        raise ConfigError("nf4_ws_matmul reads W's codes as packed; this device copy holds them in thread order "
-                          "(DevicePacked.from_weight(..., ordered=False) makes one it reads)")
     N, Kin = packed.shape
     M = a.shape[0]
     O = Kin if trans else N
