@@ -4,7 +4,7 @@ update reads (the random base, its packed matrices, their device copies, the ada
 of its first update, then the device copies' digests again; the driver runs PROCESSES of them and
 records the first process's digests and, for each process, its losses and the digests that differ.
 
-    CUBLAS_WORKSPACE_CONFIG=:4096:8 python benchmarks/first_update_bits.py OUT.json [COMBO] [PROCESSES]
+    CUBLAS_WORKSPACE_CONFIG=:4096:8 python benchmarks/first_update_bits.py OUT.json [COMBO] [PROCESSES (8)]
 """
 import json
 import subprocess
@@ -27,8 +27,7 @@ def tensors(value) -> dict:
     """name -> digest of every tensor field of a packed weight or device copy (or of a tensor)."""
     if isinstance(value, torch.Tensor):
         return {"": digest(value)}
-    fields = vars(value) if hasattr(value, "__dict__") else {f: getattr(value, f) for f in value.__dataclass_fields__}
-    return {k: digest(v) for k, v in fields.items() if isinstance(v, torch.Tensor)}
+    return {k: digest(v) for k, v in vars(value).items() if isinstance(v, torch.Tensor)}
 
 
 def one(combo: str) -> dict:
@@ -62,7 +61,7 @@ def main():
         return
     combo = sys.argv[2] if len(sys.argv) > 2 else "llama-3.2-1b:qlora:cudnn:fused"
     record = {"combo": combo, "first": None, "processes": []}
-    for i in range(int(sys.argv[3]) if len(sys.argv) > 3 else 4):
+    for i in range(int(sys.argv[3]) if len(sys.argv) > 3 else 8):
         done = subprocess.run([sys.executable, __file__, "--run", combo], capture_output=True, text=True)
         if done.returncode:
             sys.exit(done.stderr[-3000:])
