@@ -51,8 +51,9 @@
 #               every combination's losses equal to the last bit (COMBOS, default llama-3.2-1b:qlora
 #               --steps 20) -> same.log, same-N.json
 #   first       benchmarks/first_update_bits.py: PROCESSES (default 8) processes of COMBO (default
-#               llama-3.2-1b:qlora:cudnn:fused), each a digest of every tensor its first update reads and that
-#               update's loss, and which differ from the first process's -> <date>-h200-first-update-bits.json
+#               llama-3.2-1b:qlora:cudnn:fused), each a digest of every tensor its first update reads, that
+#               update's graph replayed twice and its loss, and which differ from the first process's
+#                                                                     -> <date>-h200-first-update-bits.json
 #   replay      ours only, every update's recorded graph replayed REPLAYS (default 50) more times over
 #               the same inputs, each compared with the first to the last bit (benchmarks/replay_bits.py;
 #               COMBOS, default llama-3.2-1b:qlora) -> <date>-h200-replay-bits.json
