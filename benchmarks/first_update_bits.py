@@ -1,9 +1,11 @@
 """Which part of a throughput run differs between processes that train other bits: one process
 (`--run COMBO`) builds the run as `throughput.py` does and prints a digest of everything the first
-update reads (the random base, its packed matrices, their device copies, the adapter), the loss and
-gradients of that update's recorded graph replayed twice, the update's loss, and the device copies'
+update reads (the random base, its packed matrices, their device copies, the adapter), whether
+that update's recorded graph gave other bits when replayed a second time (`replay_bits.checking`: a
+process whose first replay, the graph's first execution on fresh pool memory, differs from its
+second read something before it was written or raced), the update's loss, and the device copies'
 digests again; the driver runs PROCESSES of them and records the first process's digests and, for
-each process, its losses and the digests that differ.
+each process, its losses and what differs.
 
     CUBLAS_WORKSPACE_CONFIG=:4096:8 python benchmarks/first_update_bits.py OUT.json [COMBO] [PROCESSES (8)]
 """
@@ -13,6 +15,7 @@ import sys
 
 import torch
 
+import replay_bits
 import throughput
 from aner.train.graphs import Graphed
 
@@ -43,22 +46,13 @@ def one(combo: str) -> dict:
     out["device_copies"] = {n: tensors(p) for n, p in src._device_copies.items()}
     out["adapter"] = {n: digest(t) for n, t in src._adapter_tensors.items()}
     state, _ = src._fine_tune_start(tr, va, 1, throughput.BATCH, 1, 1e-4, 0, 1.0)
-    out["replays"], replay = {}, Graphed.__call__
-
-    def twice(self, inputs, targets, scale):
-        """The first update's graph replayed a second time over the same inputs: a process whose
-        first replay differs from its second read something before it was written, or raced."""
-        for _ in range(1 if out["replays"] else 2):
-            loss, grads = replay(self, inputs, targets, scale)
-            if len(out["replays"]) < 2:
-                out["replays"][("first", "second")[len(out["replays"])]] = {
-                    "loss": float(loss), "grads": {str(i): digest(g) for i, g in enumerate(grads) if g is not None}}
-        return loss, grads
-    Graphed.__call__ = twice
+    found, replay = [], Graphed.__call__
+    Graphed.__call__ = replay_bits.checking(1, found)      # each update's graph replayed once more
     try:
         m = src._train(tr, va, state, 1, progress=False)
     finally:
         Graphed.__call__ = replay
+    out["second_replay_differed"] = found
     out["loss"] = m._state.losses[0]
     out["validation_loss"] = m._state.validation_loss
     out["device_copies_after"] = {n: tensors(p) for n, p in src._device_copies.items()}
@@ -68,7 +62,7 @@ def one(combo: str) -> dict:
 def differences(a, b, where=""):
     """The keys (joined by '/') under which two nested records differ."""
     if isinstance(a, dict):
-        return [d for k in a for d in differences(a[k], b.get(k), f"{where}/{k}")]
+        return [d for k in a for d in differences(a[k], (b or {}).get(k), f"{where}/{k}")]
     return [] if a == b else [where]
 
 
