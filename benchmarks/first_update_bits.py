@@ -3,12 +3,20 @@
 update reads (the random base, its packed matrices, their device copies, the adapter), whether
 that update's recorded graph gave other bits when replayed a second time (`replay_bits.checking`: a
 process whose first replay, the graph's first execution on fresh pool memory, differs from its
-second read something before it was written or raced), the update's loss, and the device copies'
+second read something before it was written or raced), a digest of every module's output in the
+eager pass that precedes each recording (in call order), the update's loss, and the device copies'
 digests again; the driver runs PROCESSES of them and records the first process's digests and, for
 each process, its losses and what differs.
 
-    CUBLAS_WORKSPACE_CONFIG=:4096:8 python benchmarks/first_update_bits.py OUT.json [COMBO] [PROCESSES (8)]
+FILLS (cycled over the processes) say what a process's new tensors hold: `none` whatever their
+memory held, `nan` PyTorch's own fill of every `torch.empty` (NaN, or an integer type's largest
+value; the library's policy turns it off), so that a kernel that reads memory it never wrote
+gives other bits, or NaN, in those processes (`nan_filled`: a new tensor read back there).
+
+    CUBLAS_WORKSPACE_CONFIG=:4096:8 python benchmarks/first_update_bits.py OUT.json [--combo COMBO]
+        [--processes N (8)] [--updates U (1)] [--fills none nan ...]
 """
+import argparse
 import json
 import subprocess
 import sys
@@ -35,25 +43,46 @@ def tensors(value) -> dict:
     return {k: digest(v) for k, v in vars(value).items() if isinstance(v, torch.Tensor)}
 
 
-def one(combo: str) -> dict:
+def nan_fill_kept():
+    """PyTorch's NaN fill of new tensors, kept on where the library's CUDA policy turns it off."""
+    import aner.train.device as policy
+    require = policy.require_cuda
+
+    def require_cuda(device):
+        require(device)
+        torch.utils.deterministic.fill_uninitialized_memory = True
+    policy.require_cuda = require_cuda
+
+
+def one(combo: str, fill: str, updates: int) -> dict:
+    out = {"fill": fill}
+    if fill == "nan":
+        nan_fill_kept()
     model, method, choices = throughput.parse(combo)
     base = throughput.random_model(model)
-    out = {"base": {n: digest(w) for n, w in base._weights.items()}}
+    if fill == "nan":
+        out["nan_filled"] = bool(torch.isnan(torch.empty(4, device="cuda")).all())
+    out["base"] = {n: digest(w) for n, w in base._weights.items()}
     tr, va = throughput.data(base.config().vocab_size)
     src = throughput.select(base, method, choices)
     del base
     out["packed"] = {n: tensors(w) for n, w in src._weights.items()}
     out["device_copies"] = {n: tensors(p) for n, p in src._device_copies.items()}
     out["adapter"] = {n: digest(t) for n, t in src._adapter_tensors.items()}
-    state, _ = src._fine_tune_start(tr, va, 1, throughput.BATCH, 1, 1e-4, 0, 1.0)
-    found, replay = [], Graphed.__call__
+    state, _ = src._fine_tune_start(tr, va, updates, throughput.BATCH, 1, 1e-4, 0, 1.0)
+    found, replay, eager = [], Graphed.__call__, []
     Graphed.__call__ = replay_bits.checking(1, found)      # each update's graph replayed once more
+    hook = torch.nn.modules.module.register_module_forward_hook(
+        lambda module, args, output: None if torch.cuda.is_current_stream_capturing() else eager.append(
+            f"{type(module).__name__} {digest(output)}" if isinstance(output, torch.Tensor) else type(module).__name__))
     try:
-        m = src._train(tr, va, state, 1, progress=False)
+        m = src._train(tr, va, state, updates, progress=False)
     finally:
         Graphed.__call__ = replay
+        hook.remove()
+    out["eager_module_outputs"] = {str(i): d for i, d in enumerate(eager)}   # the recording's warm-up
     out["second_replay_differed"] = found
-    out["loss"] = m._state.losses[0]
+    out["losses"] = list(m._state.losses)
     out["validation_loss"] = m._state.validation_loss
     out["device_copies_after"] = {n: tensors(p) for n, p in src._device_copies.items()}
     return out
@@ -67,22 +96,32 @@ def differences(a, b, where=""):
 
 
 def main():
-    if sys.argv[1] == "--run":
-        print(json.dumps(one(sys.argv[2])))
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out")
+    ap.add_argument("--combo", default="llama-3.2-1b:qlora:cudnn:fused")
+    ap.add_argument("--processes", type=int, default=8)
+    ap.add_argument("--updates", type=int, default=1)
+    ap.add_argument("--fills", nargs="+", default=["none"], choices=["none", "nan"])
+    ap.add_argument("--run", action="store_true", help="one process: print its record")
+    a = ap.parse_args()
+    if a.run:
+        print(json.dumps(one(a.combo, a.fills[0], a.updates)))
         return
-    combo = sys.argv[2] if len(sys.argv) > 2 else "llama-3.2-1b:qlora:cudnn:fused"
-    record = {"combo": combo, "first": None, "processes": []}
-    for i in range(int(sys.argv[3]) if len(sys.argv) > 3 else 8):
-        done = subprocess.run([sys.executable, __file__, "--run", combo], capture_output=True, text=True)
+    record = {"combo": a.combo, "updates": a.updates, "first": None, "processes": []}
+    for i in range(a.processes):
+        fill = a.fills[i % len(a.fills)]
+        done = subprocess.run([sys.executable, __file__, "-", "--run", "--combo", a.combo, "--fills", fill,
+                               "--updates", str(a.updates)], capture_output=True, text=True)
         if done.returncode:
             sys.exit(done.stderr[-3000:])
         run = json.loads(done.stdout.splitlines()[-1])
         record["first"] = record["first"] or run
-        diff = differences(record["first"], run)
-        record["processes"].append({"loss": run["loss"], "validation_loss": run["validation_loss"], "differ": diff})
-        print(f"process {i + 1}: first loss {run['loss']!r}, {len(diff)} digests differ from process 1's"
-              f"{': ' + ', '.join(diff[:20]) if diff else ''}", flush=True)
-        with open(sys.argv[1], "w") as f:           # after each process: a cut call keeps what ran
+        diff = [d for d in differences(record["first"], run) if d not in ("/fill", "/nan_filled")]
+        record["processes"].append({k: run.get(k) for k in ("fill", "nan_filled", "losses", "validation_loss")}
+                                   | {"differ": diff})
+        print(f"process {i + 1} (fill {fill}): losses {run['losses']!r}, {len(diff)} "
+              f"digests differ from process 1's{': ' + ', '.join(diff[:20]) if diff else ''}", flush=True)
+        with open(a.out, "w") as f:           # after each process: a cut call keeps what ran
             json.dump(record, f)
 
 

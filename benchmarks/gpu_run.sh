@@ -53,6 +53,8 @@
 #   first       benchmarks/first_update_bits.py: PROCESSES (default 8) processes of COMBO (default
 #               llama-3.2-1b:qlora:cudnn:fused), each a digest of every tensor its first update reads, that
 #               update's graph replayed twice and its loss, and which differ from the first process's
+#               (UPDATES, default 1; FILLS, default none, cycled over the processes: what a
+#               process's new tensors hold: none, or PyTorch's NaN fill, e.g. FILLS="none nan")
 #                                                                     -> <date>-h200-first-update-bits.json
 #   replay      ours only, every update's recorded graph replayed REPLAYS (default 50) more times over
 #               the same inputs, each compared with the first to the last bit (benchmarks/replay_bits.py;
@@ -117,7 +119,8 @@ for stage in "$@"; do
           python3 "$tree/benchmarks/throughput.py" "$OUT/ab-$name-$round.json" --no-peer ${COMBOS:-} 2>&1 | sed "s/^/$name /"
         done; done | tee "$OUT/ab.log" ;;
     first) python3 benchmarks/first_update_bits.py "$OUT/$day-h200-first-update-bits.json" \
-             "${COMBO:-llama-3.2-1b:qlora:cudnn:fused}" "${PROCESSES:-8}" 2>&1 | tee "$OUT/first-update-bits.log" ;;
+             --combo "${COMBO:-llama-3.2-1b:qlora:cudnn:fused}" --processes "${PROCESSES:-8}" \
+             --updates "${UPDATES:-1}" --fills ${FILLS:-none} 2>&1 | tee "$OUT/first-update-bits.log" ;;
     same) for round in $(seq "${ROUNDS:-3}"); do
             python3 benchmarks/throughput.py "$OUT/same-$round.json" --no-peer ${COMBOS:-llama-3.2-1b:qlora --steps 20} 2>&1
           done | grep "ours" | tee "$OUT/same.log"
