@@ -4,7 +4,8 @@ update reads (the random base, its packed matrices, their device copies, the ada
 that update's recorded graph gave other bits when replayed a second time (`replay_bits.checking`: a
 process whose first replay, the graph's first execution on fresh pool memory, differs from its
 second read something before it was written or raced), a digest of every module's output in the
-eager pass that precedes each recording (in call order), the update's loss, and the device copies'
+eager pass that precedes each recording (in call order; with --names the names of the CUDA kernels
+that pass runs too), the update's loss, and the device copies'
 digests again; the driver runs PROCESSES of them and records the first process's digests and, for
 each process, its losses and what differs.
 
@@ -14,7 +15,7 @@ value; the library's policy turns it off), so that a kernel that reads memory it
 gives other bits, or NaN, in those processes (`nan_filled`: a new tensor read back there).
 
     CUBLAS_WORKSPACE_CONFIG=:4096:8 python benchmarks/first_update_bits.py OUT.json [--combo COMBO]
-        [--processes N (8)] [--updates U (1)] [--fills none nan ...]
+        [--processes N (8)] [--updates U (1)] [--fills none nan ...] [--names]
 """
 import argparse
 import json
@@ -54,7 +55,33 @@ def nan_fill_kept():
     policy.require_cuda = require_cuda
 
 
-def one(combo: str, fill: str, updates: int) -> dict:
+def kernels_named(kernels: list):
+    """Graphed._record appending to `kernels` the name of every CUDA kernel its eager warm-up pass
+    runs, in order (cuBLAS's and cuDNN's choices among them); the recording itself is not profiled."""
+    record = Graphed._record
+
+    def _record(self, inputs, targets, scale):
+        fn = self.fn
+
+        def profiled(*args):
+            if torch.cuda.is_current_stream_capturing():
+                return fn(*args)
+            acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+            with torch.profiler.profile(activities=acts) as prof:
+                result = fn(*args)
+                torch.cuda.synchronize()
+            ran = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+            kernels.extend(e.name for e in sorted(ran, key=lambda e: e.time_range.start))
+            return result
+        self.fn = profiled
+        try:
+            return record(self, inputs, targets, scale)
+        finally:
+            self.fn = fn
+    return _record
+
+
+def one(combo: str, fill: str, updates: int, names: bool = False) -> dict:
     out = {"fill": fill}
     if fill == "nan":
         nan_fill_kept()
@@ -70,17 +97,21 @@ def one(combo: str, fill: str, updates: int) -> dict:
     out["device_copies"] = {n: tensors(p) for n, p in src._device_copies.items()}
     out["adapter"] = {n: digest(t) for n, t in src._adapter_tensors.items()}
     state, _ = src._fine_tune_start(tr, va, updates, throughput.BATCH, 1, 1e-4, 0, 1.0)
-    found, replay, eager = [], Graphed.__call__, []
+    found, replay, record, eager, kernels = [], Graphed.__call__, Graphed._record, [], []
     Graphed.__call__ = replay_bits.checking(1, found)      # each update's graph replayed once more
+    if names:
+        Graphed._record = kernels_named(kernels)
     hook = torch.nn.modules.module.register_module_forward_hook(
         lambda module, args, output: None if torch.cuda.is_current_stream_capturing() else eager.append(
             f"{type(module).__name__} {digest(output)}" if isinstance(output, torch.Tensor) else type(module).__name__))
     try:
         m = src._train(tr, va, state, updates, progress=False)
     finally:
-        Graphed.__call__ = replay
+        Graphed.__call__, Graphed._record = replay, record
         hook.remove()
     out["eager_module_outputs"] = {str(i): d for i, d in enumerate(eager)}   # the recording's warm-up
+    if names:
+        out["eager_kernels"] = {str(i): k for i, k in enumerate(kernels)}
     out["second_replay_differed"] = found
     out["losses"] = list(m._state.losses)
     out["validation_loss"] = m._state.validation_loss
@@ -102,16 +133,17 @@ def main():
     ap.add_argument("--processes", type=int, default=8)
     ap.add_argument("--updates", type=int, default=1)
     ap.add_argument("--fills", nargs="+", default=["none"], choices=["none", "nan"])
+    ap.add_argument("--names", action="store_true", help="record the eager pass's kernel names too")
     ap.add_argument("--run", action="store_true", help="one process: print its record")
     a = ap.parse_args()
     if a.run:
-        print(json.dumps(one(a.combo, a.fills[0], a.updates)))
+        print(json.dumps(one(a.combo, a.fills[0], a.updates, a.names)))
         return
     record = {"combo": a.combo, "updates": a.updates, "first": None, "processes": []}
     for i in range(a.processes):
         fill = a.fills[i % len(a.fills)]
         done = subprocess.run([sys.executable, __file__, "-", "--run", "--combo", a.combo, "--fills", fill,
-                               "--updates", str(a.updates)], capture_output=True, text=True)
+                               "--updates", str(a.updates)] + ["--names"] * a.names, capture_output=True, text=True)
         if done.returncode:
             sys.exit(done.stderr[-3000:])
         run = json.loads(done.stdout.splitlines()[-1])

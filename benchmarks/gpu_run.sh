@@ -54,7 +54,8 @@
 #               llama-3.2-1b:qlora:cudnn:fused), each a digest of every tensor its first update reads, that
 #               update's graph replayed twice and its loss, and which differ from the first process's
 #               (UPDATES, default 1; FILLS, default none, cycled over the processes: what a
-#               process's new tensors hold: none, or PyTorch's NaN fill, e.g. FILLS="none nan")
+#               process's new tensors hold: none, or PyTorch's NaN fill, e.g. FILLS="none nan"; NAMES=1: the
+#               names of the kernels each process's eager pass runs, cuBLAS's and cuDNN's choices among them)
 #                                                                     -> <date>-h200-first-update-bits.json
 #   replay      ours only, every update's recorded graph replayed REPLAYS (default 50) more times over
 #               the same inputs, each compared with the first to the last bit (benchmarks/replay_bits.py;
@@ -120,7 +121,7 @@ for stage in "$@"; do
         done; done | tee "$OUT/ab.log" ;;
     first) python3 benchmarks/first_update_bits.py "$OUT/$day-h200-first-update-bits.json" \
              --combo "${COMBO:-llama-3.2-1b:qlora:cudnn:fused}" --processes "${PROCESSES:-8}" \
-             --updates "${UPDATES:-1}" --fills ${FILLS:-none} 2>&1 | tee "$OUT/first-update-bits.log" ;;
+             --updates "${UPDATES:-1}" --fills ${FILLS:-none} ${NAMES:+--names} 2>&1 | tee "$OUT/first-update-bits.log" ;;
     same) for round in $(seq "${ROUNDS:-3}"); do
             python3 benchmarks/throughput.py "$OUT/same-$round.json" --no-peer ${COMBOS:-llama-3.2-1b:qlora --steps 20} 2>&1
           done | grep "ours" | tee "$OUT/same.log"
