@@ -1,13 +1,13 @@
 """Which part of a throughput run differs between processes that train other bits: one process
 (`--run COMBO`) builds the run as `throughput.py` does and prints a digest of everything the first
-update reads (the random base, its packed matrices, their device copies, the adapter), whether
-that update's recorded graph gave other bits when replayed a second time (`replay_bits.checking`: a
-process whose first replay, the graph's first execution on fresh pool memory, differs from its
-second read something before it was written or raced), a digest of every module's output in the
-eager pass that precedes each recording (in call order; with --names the names of the CUDA kernels
-that pass runs too), the update's loss, and the device copies'
-digests again; the driver runs PROCESSES of them and records the first process's digests and, for
-each process, its losses and what differs.
+update reads (the random base, its packed matrices, their device copies, the adapter, the batch
+on the device and the gradient's scale), whether that update's recorded graph gave other bits when
+replayed a second time (`replay_bits.checking`: a process whose first replay, the graph's first
+execution on fresh pool memory, differs from its second read something before it was written or
+raced), a digest of every module's output in the eager pass that precedes each recording (in call
+order; with --names the names of the CUDA kernels that pass runs too), the update's loss, and the
+device copies' digests again; the driver runs PROCESSES of them and records the first process's
+digests and, for each process, its losses and what differs.
 
 FILLS (cycled over the processes) say what a process's new tensors hold: `none` whatever their
 memory held, `nan` PyTorch's own fill of every `torch.empty` (NaN, or an integer type's largest
@@ -97,8 +97,13 @@ def one(combo: str, fill: str, updates: int, names: bool = False) -> dict:
     out["device_copies"] = {n: tensors(p) for n, p in src._device_copies.items()}
     out["adapter"] = {n: digest(t) for n, t in src._adapter_tensors.items()}
     state, _ = src._fine_tune_start(tr, va, updates, throughput.BATCH, 1, 1e-4, 0, 1.0)
-    found, replay, record, eager, kernels = [], Graphed.__call__, Graphed._record, [], []
-    Graphed.__call__ = replay_bits.checking(1, found)      # each update's graph replayed once more
+    found, replay, record, eager, kernels, data = [], Graphed.__call__, Graphed._record, [], [], []
+    checked = replay_bits.checking(1, found)                # each update's graph replayed once more
+
+    def call(self, inputs, targets, scale):
+        data.append({"inputs": digest(inputs), "targets": digest(targets), "scale": digest(scale)})
+        return checked(self, inputs, targets, scale)
+    Graphed.__call__ = call
     if names:
         Graphed._record = kernels_named(kernels)
     hook = torch.nn.modules.module.register_module_forward_hook(
@@ -112,6 +117,7 @@ def one(combo: str, fill: str, updates: int, names: bool = False) -> dict:
     out["eager_module_outputs"] = {str(i): d for i, d in enumerate(eager)}   # the recording's warm-up
     if names:
         out["eager_kernels"] = {str(i): k for i, k in enumerate(kernels)}
+    out["batches"] = {str(i): d for i, d in enumerate(data)}       # as the device holds them
     out["second_replay_differed"] = found
     out["losses"] = list(m._state.losses)
     out["validation_loss"] = m._state.validation_loss
