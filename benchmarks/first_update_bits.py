@@ -1,13 +1,14 @@
 """Which part of a throughput run differs between processes that train other bits: one process
 (`--run COMBO`) builds the run as `throughput.py` does and prints a digest of everything the first
-update reads (the random base, its packed matrices, their device copies, the adapter, the batch
-on the device and the gradient's scale), whether that update's recorded graph gave other bits when
+update reads (the random base, its packed matrices, their device copies, the adapter, and the batch
+and gradient's scale its graph read), whether that update's recorded graph gave other bits when
 replayed a second time (`replay_bits.checking`: a process whose first replay, the graph's first
 execution on fresh pool memory, differs from its second read something before it was written or
 raced), a digest of every module's output in the eager pass that precedes each recording (in call
 order; with --names the names of the CUDA kernels that pass runs too), the update's loss, and the
 device copies' digests again; the driver runs PROCESSES of them and records the first process's
-digests and, for each process, its losses and what differs.
+digests and, for each process, its losses and what differs. The digests of the batch and of the
+module outputs add no wait for the GPU before the update (the second replay's comparison does).
 
 FILLS (cycled over the processes) say what a process's new tensors hold: `none` whatever their
 memory held, `nan` PyTorch's own fill of every `torch.empty` (NaN, or an integer type's largest
@@ -32,9 +33,14 @@ from aner.train.graphs import Graphed
 def digest(t: torch.Tensor) -> int:
     """A position-weighted sum of t's bytes as 32-bit words, wrapping in int64: exact, so the same
     bytes give the same number in any summation order, and a moved or changed word another."""
+    return int(queued_digest(t))
+
+
+def queued_digest(t: torch.Tensor) -> torch.Tensor:
+    """`digest` as a tensor on t's device, computed in t's stream's order without waiting for it."""
     b = t.detach().contiguous().view(-1).view(torch.uint8)
     b = torch.cat([b, b.new_zeros(-b.numel() % 4)]).view(torch.int32).to(torch.int64)
-    return int((b * (torch.arange(b.numel(), device=b.device) % 65521 + 1)).sum())
+    return (b * (torch.arange(b.numel(), device=b.device) % 65521 + 1)).sum()
 
 
 def tensors(value) -> dict:
@@ -97,27 +103,30 @@ def one(combo: str, fill: str, updates: int, names: bool = False) -> dict:
     out["device_copies"] = {n: tensors(p) for n, p in src._device_copies.items()}
     out["adapter"] = {n: digest(t) for n, t in src._adapter_tensors.items()}
     state, _ = src._fine_tune_start(tr, va, updates, throughput.BATCH, 1, 1e-4, 0, 1.0)
-    found, replay, record, eager, kernels, data = [], Graphed.__call__, Graphed._record, [], [], []
+    found, replay, record, eager, kernels, graphed = [], Graphed.__call__, Graphed._record, [], [], []
     checked = replay_bits.checking(1, found)                # each update's graph replayed once more
 
     def call(self, inputs, targets, scale):
-        data.append({"inputs": digest(inputs), "targets": digest(targets), "scale": digest(scale)})
+        graphed[:] = [self]
         return checked(self, inputs, targets, scale)
     Graphed.__call__ = call
     if names:
         Graphed._record = kernels_named(kernels)
+    # module outputs digested in the stream's order, read once training is done (not the capture's)
     hook = torch.nn.modules.module.register_module_forward_hook(
         lambda module, args, output: None if torch.cuda.is_current_stream_capturing() else eager.append(
-            f"{type(module).__name__} {digest(output)}" if isinstance(output, torch.Tensor) else type(module).__name__))
+            (type(module).__name__, queued_digest(output) if isinstance(output, torch.Tensor) else None)))
     try:
         m = src._train(tr, va, state, updates, progress=False)
     finally:
         Graphed.__call__, Graphed._record = replay, record
         hook.remove()
-    out["eager_module_outputs"] = {str(i): d for i, d in enumerate(eager)}   # the recording's warm-up
+    out["eager_module_outputs"] = {str(i): name if d is None else f"{name} {int(d)}"
+                                   for i, (name, d) in enumerate(eager)}
     if names:
         out["eager_kernels"] = {str(i): k for i, k in enumerate(kernels)}
-    out["batches"] = {str(i): d for i, d in enumerate(data)}       # as the device holds them
+    # each recorded shape's graph inputs as its last replay read them: the batch and the gradient's scale
+    out["graph_inputs"] = {str(key): [digest(t) for t in rec[:3]] for key, rec in graphed[0].recorded.items()}
     out["second_replay_differed"] = found
     out["losses"] = list(m._state.losses)
     out["validation_loss"] = m._state.validation_loss
