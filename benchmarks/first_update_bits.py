@@ -125,8 +125,9 @@ def one(combo: str, fill: str, updates: int, names: bool = False) -> dict:
                                    for i, (name, d) in enumerate(eager)}
     if names:
         out["eager_kernels"] = {str(i): k for i, k in enumerate(kernels)}
-    # each recorded shape's graph inputs as its last replay read them: the batch and the gradient's scale
-    out["graph_inputs"] = {str(key): [digest(t) for t in rec[:3]] for key, rec in graphed[0].recorded.items()}
+    # each recorded shape's graph inputs as its last replay read them: the batch and the gradient's
+    # scale (none in an eager run)
+    out["graph_inputs"] = {str(key): [digest(t) for t in rec[:3]] for g in graphed for key, rec in g.recorded.items()}
     out["second_replay_differed"] = found
     out["losses"] = list(m._state.losses)
     out["validation_loss"] = m._state.validation_loss
