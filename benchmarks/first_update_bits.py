@@ -5,10 +5,13 @@ and gradient's scale its graph read), whether that update's recorded graph gave 
 replayed a second time (`replay_bits.checking`: a process whose first replay, the graph's first
 execution on fresh pool memory, differs from its second read something before it was written or
 raced), a digest of every module's output in the eager pass that precedes each recording (in call
-order; with --names the names of the CUDA kernels that pass runs too), the update's loss, and the
-device copies' digests again; the driver runs PROCESSES of them and records the first process's
-digests and, for each process, its losses and what differs. The digests of the batch and of the
-module outputs add no wait for the GPU before the update (the second replay's comparison does).
+order; with --names the names of the CUDA kernels that pass runs too) and of every operand and result
+of cuDNN's attention there (`eager_attention`), the cuDNN frontend's log of the SDPA implementation
+and plans it chose (`cudnn_log`, `cudnn_plans.plan_lines`), the update's loss, and the device copies'
+digests again; the driver runs PROCESSES of them and records the first process's
+digests and, for each process, its losses and what differs from the first process of its fill.
+The digests of the batch and of the module outputs add no wait for the GPU before the update (the
+second replay's comparison does).
 
 FILLS (cycled over the processes) say what a process's new tensors hold: `none` whatever their
 memory held, `nan` PyTorch's own fill of every `torch.empty` (NaN, or an integer type's largest
@@ -22,11 +25,14 @@ import argparse
 import json
 import subprocess
 import sys
+import tempfile
 
 import torch
 
+import cudnn_plans
 import replay_bits
 import throughput
+from aner.kernels import cudnn_attention
 from aner.train.graphs import Graphed
 
 
@@ -116,13 +122,22 @@ def one(combo: str, fill: str, updates: int, names: bool = False) -> dict:
     hook = torch.nn.modules.module.register_module_forward_hook(
         lambda module, args, output: None if torch.cuda.is_current_stream_capturing() else eager.append(
             (type(module).__name__, queued_digest(output) if isinstance(output, torch.Tensor) else None)))
+    attention, run_cudnn = [], cudnn_attention._run
+
+    def traced(op, inputs, outputs):          # cuDNN's operands and results in the eager passes
+        run_cudnn(op, inputs, outputs)
+        if not torch.cuda.is_current_stream_capturing():
+            attention.append((op, {n: queued_digest(t) for n, t in (inputs | outputs).items()}))
+    cudnn_attention._run = traced
     try:
         m = src._train(tr, va, state, updates, progress=False)
     finally:
-        Graphed.__call__, Graphed._record = replay, record
+        Graphed.__call__, Graphed._record, cudnn_attention._run = replay, record, run_cudnn
         hook.remove()
     out["eager_module_outputs"] = {str(i): name if d is None else f"{name} {int(d)}"
                                    for i, (name, d) in enumerate(eager)}
+    out["eager_attention"] = {f"{i} {op}": {n: int(d) for n, d in ds.items()} for i, (op, ds) in enumerate(attention)}
+    out["cudnn_log"] = cudnn_plans.plan_lines()
     if names:
         out["eager_kernels"] = {str(i): k for i, k in enumerate(kernels)}
     # each recorded shape's graph inputs as its last replay read them: the batch and the gradient's
@@ -156,19 +171,21 @@ def main():
         print(json.dumps(one(a.combo, a.fills[0], a.updates, a.names)))
         return
     record = {"combo": a.combo, "updates": a.updates, "first": None, "processes": []}
+    logs, firsts = tempfile.mkdtemp(), {}     # firsts: fill -> its first process, which the others of it meet
     for i in range(a.processes):
         fill = a.fills[i % len(a.fills)]
         done = subprocess.run([sys.executable, __file__, "-", "--run", "--combo", a.combo, "--fills", fill,
-                               "--updates", str(a.updates)] + ["--names"] * a.names, capture_output=True, text=True)
+                               "--updates", str(a.updates)] + ["--names"] * a.names, capture_output=True, text=True,
+                              env=cudnn_plans.logged(f"{logs}/{i}.log"))
         if done.returncode:
             sys.exit(done.stderr[-3000:])
         run = json.loads(done.stdout.splitlines()[-1])
         record["first"] = record["first"] or run
-        diff = [d for d in differences(record["first"], run) if d not in ("/fill", "/nan_filled")]
+        diff = differences(firsts.setdefault(fill, run), run)
         record["processes"].append({k: run.get(k) for k in ("fill", "nan_filled", "losses", "validation_loss")}
                                    | {"differ": diff})
-        print(f"process {i + 1} (fill {fill}): losses {run['losses']!r}, {len(diff)} "
-              f"digests differ from process 1's{': ' + ', '.join(diff[:20]) if diff else ''}", flush=True)
+        print(f"process {i + 1} (fill {fill}): losses {run['losses']!r}, {len(diff)} digests differ from the first "
+              f"process of its fill{': ' + ', '.join(diff[:20]) if diff else ''}", flush=True)
         with open(a.out, "w") as f:           # after each process: a cut call keeps what ran
             json.dump(record, f)
 

@@ -54,9 +54,13 @@
 #               llama-3.2-1b:qlora:cudnn:fused), each a digest of every tensor its first update reads, that
 #               update's graph replayed twice and its loss, and which differ from the first process's
 #               (UPDATES, default 1; FILLS, default none, cycled over the processes: what a
-#               process's new tensors hold: none, or PyTorch's NaN fill, e.g. FILLS="none nan"; NAMES=1: the
-#               names of the kernels each process's eager pass runs, cuBLAS's and cuDNN's choices among them)
+#               process's new tensors hold: none, or PyTorch's NaN fill, e.g. FILLS="none nan"; NAMES, default 1:
+#               the names of the kernels each process's eager pass runs, cuBLAS's and cuDNN's choices among
+#               them, NAMES=0 none)
 #                                                                     -> <date>-h200-first-update-bits.json
+#   plans       benchmarks/cudnn_plans.py: PROCESSES (default 96) light processes, PARALLEL (default 8) at once, each
+#               building cuDNN's attention at Llama-3.2-1B's heads: its plans, the frontend's log of its choice
+#               and the bits of its outputs, which differ from the first process's  -> <date>-h200-cudnn-plans.json
 #   replay      ours only, every update's recorded graph replayed REPLAYS (default 50) more times over
 #               the same inputs, each compared with the first to the last bit (benchmarks/replay_bits.py;
 #               COMBOS, default llama-3.2-1b:qlora) -> <date>-h200-replay-bits.json
@@ -121,7 +125,10 @@ for stage in "$@"; do
         done; done | tee "$OUT/ab.log" ;;
     first) python3 benchmarks/first_update_bits.py "$OUT/$day-h200-first-update-bits.json" \
              --combo "${COMBO:-llama-3.2-1b:qlora:cudnn:fused}" --processes "${PROCESSES:-8}" \
-             --updates "${UPDATES:-1}" --fills ${FILLS:-none} ${NAMES:+--names} 2>&1 | tee "$OUT/first-update-bits.log" ;;
+             --updates "${UPDATES:-1}" --fills ${FILLS:-none} $([ "${NAMES:-1}" = 1 ] && echo --names) 2>&1 \
+             | tee "$OUT/first-update-bits.log" ;;
+    plans) python3 benchmarks/cudnn_plans.py "$OUT/$day-h200-cudnn-plans.json" --processes "${PROCESSES:-96}" \
+             --parallel "${PARALLEL:-8}" 2>&1 | cut -c1-400 | tee "$OUT/cudnn-plans.log" ;;
     same) for round in $(seq "${ROUNDS:-3}"); do
             python3 benchmarks/throughput.py "$OUT/same-$round.json" --no-peer ${COMBOS:-llama-3.2-1b:qlora --steps 20} 2>&1
           done | grep "ours" | tee "$OUT/same.log"

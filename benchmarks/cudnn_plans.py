@@ -1,0 +1,88 @@
+"""Whether cuDNN's attention picks the same plan and gives the same bits in every process: PROCESSES
+fresh processes (PARALLEL at once) each build the forward and deterministic backward graphs of
+`kernels.cudnn_attention` at Llama-3.2-1B's heads (8 x 1024 positions, 32 query and 8 key/value
+heads of 64, each over (B, T, heads, E) memory as training lays them out) over the same seeded
+operands, run them, and record each graph's candidate plans (the heuristics' order; the first that
+builds runs), the frontend's log of what it chose (`plan_lines`) and a digest of every output.
+
+    python benchmarks/cudnn_plans.py OUT.json [--processes N (96)] [--parallel P (8)]
+"""
+import argparse
+import collections
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+import torch
+
+KEPT = ("Auto-selected", "Candidate", "recommendation count", "plan at index")
+
+
+def logged(path: str) -> dict:
+    """The environment of a child process whose cuDNN frontend logs to `path`."""
+    return os.environ | {"CUDNN_FRONTEND_LOG_INFO": "1", "CUDNN_FRONTEND_LOG_FILE": path}
+
+
+def plan_lines() -> dict:
+    """The lines of this process's frontend log (see `logged`) that say which SDPA implementation,
+    candidates and plans cuDNN chose, each with its count; empty where it does not log."""
+    path = os.environ.get("CUDNN_FRONTEND_LOG_FILE")
+    if not path or not os.path.exists(path):
+        return {}
+    with open(path, errors="replace") as f:
+        return dict(collections.Counter(line.strip() for line in f if any(k in line for k in KEPT)))
+
+
+def one() -> dict:
+    from aner.kernels import cudnn_attention
+    torch.manual_seed(0)
+    B, H, K, T, E = 8, 32, 8, 1024, 64
+    q, k, v = (torch.randn(B, T, n, E, device="cuda", dtype=torch.bfloat16).transpose(1, 2).requires_grad_()
+               for n in (H, K, K))
+    o = cudnn_attention.attention(q, k, v)
+    o.backward(torch.randn_like(o))
+    torch.cuda.synchronize()
+
+    def digest(t):
+        b = t.detach().contiguous().view(-1).view(torch.int16).to(torch.int64)
+        return int((b * (torch.arange(b.numel(), device=b.device) % 65521 + 1)).sum())
+    try:
+        plans = {key[0]: [g.get_plan_name_at_index(i) for i in range(g.get_execution_plan_count())]
+                 for key, (g, _) in cudnn_attention._graphs.items()}
+    except Exception as e:    # the frontend's own error, kept: the digests still say whether bits differ
+        plans = repr(e)
+    return {"plans": plans, "log": plan_lines(),
+            "digests": {n: digest(t) for n, t in (("o", o), ("dq", q.grad), ("dk", k.grad), ("dv", v.grad))}}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out")
+    ap.add_argument("--processes", type=int, default=96)
+    ap.add_argument("--parallel", type=int, default=8)
+    ap.add_argument("--run", action="store_true", help="one process: print its record")
+    a = ap.parse_args()
+    if a.run:
+        print(json.dumps(one()))
+        return
+    runs, logs = [], tempfile.mkdtemp()
+    for batch in range(0, a.processes, a.parallel):
+        procs = [subprocess.Popen([sys.executable, __file__, "-", "--run"], stdout=subprocess.PIPE, text=True,
+                                  env=logged(f"{logs}/{i}.log"))
+                 for i in range(batch, min(batch + a.parallel, a.processes))]
+        for p in procs:
+            out, _ = p.communicate()
+            runs.append(json.loads(out.splitlines()[-1]) if p.returncode == 0 else {"failed": p.returncode})
+            differ = [k for k in ("digests", "plans", "log", "failed") if runs[-1].get(k) != runs[0].get(k)]
+            print(len(runs), f"{', '.join(differ)} differ: {json.dumps(runs[-1])[:3000]}" if differ else "same",
+                  flush=True)
+        with open(a.out, "w") as f:           # after each batch: a cut call keeps what ran
+            json.dump({"first": runs[0], "processes": len(runs),
+                       "differ": {i: r for i, r in enumerate(runs) if r != runs[0]}}, f)
+    print(json.dumps(runs[0])[:3000])
+
+
+if __name__ == "__main__":
+    main()
