@@ -8,9 +8,9 @@ raced), a digest of every module's output in the eager pass that precedes each r
 order; with --names the names of the CUDA kernels that pass runs too) and of every operand and result
 of cuDNN's attention there (`eager_attention`), the cuDNN frontend's log of the SDPA implementation
 and plans it chose (`cudnn_log`, `cudnn_plans.plan_lines`), the update's loss, and the device copies'
-digests again; the driver runs PROCESSES of them and records the first process's
-digests and, for each process, its losses and what differs from the first process of its fill.
-The digests of the batch and of the module outputs add no wait for the GPU before the update (the
+digests again; the driver runs PROCESSES of them and records the first process's digests and, for
+each process, its losses and what differs from the first process of its fill. The digests of the
+batch, the module outputs and attention's tensors add no wait for the GPU before the update (the
 second replay's comparison does).
 
 FILLS (cycled over the processes) say what a process's new tensors hold: `none` whatever their
