@@ -5,13 +5,15 @@ and gradient's scale its graph read), whether that update's recorded graph gave 
 replayed a second time (`replay_bits.checking`: a process whose first replay, the graph's first
 execution on fresh pool memory, differs from its second read something before it was written or
 raced), a digest of every module's output in the eager pass that precedes each recording (in call
-order; with --names the names of the CUDA kernels that pass runs too) and of every operand and result
-of cuDNN's attention there (`eager_attention`), the cuDNN frontend's log of the SDPA implementation
-and plans it chose (`cudnn_log`, `cudnn_plans.plan_lines`), the update's loss, and the device copies'
-digests again; the driver runs PROCESSES of them and records the first process's digests and, for
-each process, its losses and what differs from the first process of its fill. The digests of the
-batch, the module outputs and attention's tensors add no wait for the GPU before the update (the
-second replay's comparison does).
+order; with --names the names of the CUDA kernels that pass runs too) and of every tensor that the
+calls between them read and write there (`eager_calls`: the adapter's kernels, RoPE and cuDNN's
+attention, `TRACED`), the cuDNN frontend's log of the SDPA implementation and plans it chose
+(`cudnn_log`, `cudnn_plans.plan_lines`), the update's loss, and the device copies' digests again;
+the driver runs PROCESSES of them (PARALLEL at once) and records the first process's digests, each
+process's losses and what differs from the first process of its fill, and the whole record of each
+process that differs. The digests of the batch, the module outputs and the traced calls' tensors
+add no wait for the GPU before the update (the second replay's comparison does). LAYERS builds the
+model's first layers only: a lighter process, the same kernels.
 
 FILLS (cycled over the processes) say what a process's new tensors hold: `none` whatever their
 memory held, `nan` PyTorch's own fill of every `torch.empty` (NaN, or an integer type's largest
@@ -19,7 +21,8 @@ value; the library's policy turns it off), so that a kernel that reads memory it
 gives other bits, or NaN, in those processes (`nan_filled`: a new tensor read back there).
 
     CUBLAS_WORKSPACE_CONFIG=:4096:8 python benchmarks/first_update_bits.py OUT.json [--combo COMBO]
-        [--processes N (8)] [--updates U (1)] [--fills none nan ...] [--names]
+        [--layers L (all)] [--processes N (8)] [--parallel P (1)] [--updates U (1)] [--fills none nan ...]
+        [--names]
 """
 import argparse
 import json
@@ -32,8 +35,12 @@ import torch
 import cudnn_plans
 import replay_bits
 import throughput
-from aner.kernels import cudnn_attention
+from aner.kernels import cudnn_attention, layer, lora
 from aner.train.graphs import Graphed
+
+# the calls between the modules whose every tensor is digested in the eager passes: the adapter's
+# kernels (u = x A^T as BF16 parts, each output's delta added to its base's), RoPE and cuDNN's attention
+TRACED = ((lora, "project"), (lora, "expand"), (layer, "_rope_launch"), (cudnn_attention, "_run"))
 
 
 def digest(t: torch.Tensor) -> int:
@@ -93,12 +100,39 @@ def kernels_named(kernels: list):
     return _record
 
 
-def one(combo: str, fill: str, updates: int, names: bool = False) -> dict:
+def named_tensors(value, name: str = ""):
+    """(name, tensor) for every tensor in nested dicts, tuples and lists, named by their keys and
+    positions joined by dots."""
+    if isinstance(value, torch.Tensor):
+        yield name, value
+    elif isinstance(value, (dict, tuple, list)):
+        for k, v in (value.items() if isinstance(value, dict) else enumerate(value)):
+            yield from named_tensors(v, f"{name}.{k}" if name else str(k))
+
+
+def traced(module, name: str, calls: list):
+    """module.name appending to `calls`, outside CUDA graph captures, its name and the queued digest
+    of every tensor among its arguments (read after it ran: those it writes are its outputs) and
+    result; returns the function it replaced."""
+    fn = getattr(module, name)
+
+    def call(*args, **kwargs):
+        result = fn(*args, **kwargs)
+        if not torch.cuda.is_current_stream_capturing():
+            what = " ".join([name] + [a for a in args if isinstance(a, str)])     # cuDNN's op
+            named = named_tensors(dict(enumerate(args)) | kwargs | {"result": result})
+            calls.append((what, {n: queued_digest(t) for n, t in named}))
+        return result
+    setattr(module, name, call)
+    return fn
+
+
+def one(combo: str, fill: str, updates: int, names: bool = False, layers: int = 0) -> dict:
     out = {"fill": fill}
     if fill == "nan":
         nan_fill_kept()
     model, method, choices = throughput.parse(combo)
-    base = throughput.random_model(model)
+    base = throughput.random_model(model, layers)
     if fill == "nan":
         out["nan_filled"] = bool(torch.isnan(torch.empty(4, device="cuda")).all())
     out["base"] = {n: digest(w) for n, w in base._weights.items()}
@@ -122,21 +156,19 @@ def one(combo: str, fill: str, updates: int, names: bool = False) -> dict:
     hook = torch.nn.modules.module.register_module_forward_hook(
         lambda module, args, output: None if torch.cuda.is_current_stream_capturing() else eager.append(
             (type(module).__name__, queued_digest(output) if isinstance(output, torch.Tensor) else None)))
-    attention, run_cudnn = [], cudnn_attention._run
-
-    def traced(op, inputs, outputs):          # cuDNN's operands and results in the eager passes
-        run_cudnn(op, inputs, outputs)
-        if not torch.cuda.is_current_stream_capturing():
-            attention.append((op, {n: queued_digest(t) for n, t in (inputs | outputs).items()}))
-    cudnn_attention._run = traced
+    calls = []
+    replaced = [traced(module, name, calls) for module, name in TRACED]
     try:
         m = src._train(tr, va, state, updates, progress=False)
     finally:
-        Graphed.__call__, Graphed._record, cudnn_attention._run = replay, record, run_cudnn
+        Graphed.__call__, Graphed._record = replay, record
+        for (module, name), fn in zip(TRACED, replaced):
+            setattr(module, name, fn)
         hook.remove()
+    # the calls first: the driver's line names the first that differ, in call order
+    out["eager_calls"] = {f"{i} {what}": {n: int(d) for n, d in ds.items()} for i, (what, ds) in enumerate(calls)}
     out["eager_module_outputs"] = {str(i): name if d is None else f"{name} {int(d)}"
                                    for i, (name, d) in enumerate(eager)}
-    out["eager_attention"] = {f"{i} {op}": {n: int(d) for n, d in ds.items()} for i, (op, ds) in enumerate(attention)}
     out["cudnn_log"] = cudnn_plans.plan_lines()
     if names:
         out["eager_kernels"] = {str(i): k for i, k in enumerate(kernels)}
@@ -161,34 +193,43 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
     ap.add_argument("--combo", default="llama-3.2-1b:qlora:cudnn:fused")
+    ap.add_argument("--layers", type=int, default=0, help="the model's first LAYERS layers only (0: all)")
     ap.add_argument("--processes", type=int, default=8)
+    ap.add_argument("--parallel", type=int, default=1, help="processes at once")
     ap.add_argument("--updates", type=int, default=1)
     ap.add_argument("--fills", nargs="+", default=["none"], choices=["none", "nan"])
     ap.add_argument("--names", action="store_true", help="record the eager pass's kernel names too")
     ap.add_argument("--run", action="store_true", help="one process: print its record")
     a = ap.parse_args()
     if a.run:
-        print(json.dumps(one(a.combo, a.fills[0], a.updates, a.names)))
+        print(json.dumps(one(a.combo, a.fills[0], a.updates, a.names, a.layers)))
         return
-    record = {"combo": a.combo, "updates": a.updates, "first": None, "processes": []}
+    record = {"combo": a.combo, "layers": a.layers, "updates": a.updates, "first": None, "processes": [],
+              "differing": {}}            # process number -> its whole record, where it differs
     logs, firsts = tempfile.mkdtemp(), {}     # firsts: fill -> its first process, which the others of it meet
-    for i in range(a.processes):
-        fill = a.fills[i % len(a.fills)]
-        done = subprocess.run([sys.executable, __file__, "-", "--run", "--combo", a.combo, "--fills", fill,
-                               "--updates", str(a.updates)] + ["--names"] * a.names, capture_output=True, text=True,
-                              env=cudnn_plans.logged(f"{logs}/{i}.log"))
-        if done.returncode:
-            sys.exit(done.stderr[-3000:])
-        run = json.loads(done.stdout.splitlines()[-1])
-        record["first"] = record["first"] or run
-        diff = differences(firsts.setdefault(fill, run), run)
-        record["processes"].append({k: run.get(k) for k in ("fill", "nan_filled", "losses", "validation_loss")}
-                                   | {"differ": diff})
-        print(f"process {i + 1} (fill {fill}): losses {run['losses']!r}, {len(diff)} digests differ from the first "
-              f"process of its fill{': ' + ', '.join(diff[:20]) if diff else ''}", flush=True)
-        with open(a.out, "w") as f:           # after each process: a cut call keeps what ran
+    for start in range(0, a.processes, a.parallel):
+        numbers = range(start, min(start + a.parallel, a.processes))
+        fills = [a.fills[i % len(a.fills)] for i in numbers]
+        children = [subprocess.Popen([sys.executable, __file__, "-", "--run", "--combo", a.combo, "--fills", fill,
+                                      "--updates", str(a.updates), "--layers", str(a.layers)] + ["--names"] * a.names,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                     env=cudnn_plans.logged(f"{logs}/{i}.log"))
+                    for i, fill in zip(numbers, fills)]
+        for i, fill, child in zip(numbers, fills, children):
+            out, err = child.communicate()
+            if child.returncode:
+                sys.exit(err[-3000:])
+            run = json.loads(out.splitlines()[-1])
+            record["first"] = record["first"] or run
+            diff = differences(firsts.setdefault(fill, run), run)
+            record["processes"].append({k: run.get(k) for k in ("fill", "nan_filled", "losses", "validation_loss")}
+                                       | {"differ": diff})
+            if diff:
+                record["differing"][i + 1] = run
+            print(f"process {i + 1} (fill {fill}): losses {run['losses']!r}, {len(diff)} digests differ from the "
+                  f"first process of its fill{': ' + ', '.join(diff[:20]) if diff else ''}", flush=True)
+        with open(a.out, "w") as f:           # after each batch: a cut call keeps what ran
             json.dump(record, f)
-
 
 if __name__ == "__main__":
     main()

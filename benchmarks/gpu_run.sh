@@ -56,7 +56,8 @@
 #               (UPDATES, default 1; FILLS, default none, cycled over the processes: what a
 #               process's new tensors hold: none, or PyTorch's NaN fill, e.g. FILLS="none nan"; NAMES, default 1:
 #               the names of the kernels each process's eager pass runs, cuBLAS's and cuDNN's choices among
-#               them, NAMES=0 none)
+#               them, NAMES=0 none; LAYERS, default all: the model's first LAYERS layers only; PARALLEL,
+#               default 1: processes at once)
 #                                                                     -> <date>-h200-first-update-bits.json
 #   plans       benchmarks/cudnn_plans.py: PROCESSES (default 96) light processes, PARALLEL (default 8) at once, each
 #               building cuDNN's attention at Llama-3.2-1B's heads: its plans, the frontend's log of its choice
@@ -125,6 +126,7 @@ for stage in "$@"; do
         done; done | tee "$OUT/ab.log" ;;
     first) python3 benchmarks/first_update_bits.py "$OUT/$day-h200-first-update-bits.json" \
              --combo "${COMBO:-llama-3.2-1b:qlora:cudnn:fused}" --processes "${PROCESSES:-8}" \
+             --layers "${LAYERS:-0}" --parallel "${PARALLEL:-1}" \
              --updates "${UPDATES:-1}" --fills ${FILLS:-none} $([ "${NAMES:-1}" = 1 ] && echo --names) 2>&1 \
              | tee "$OUT/first-update-bits.log" ;;
     plans) python3 benchmarks/cudnn_plans.py "$OUT/$day-h200-cudnn-plans.json" --processes "${PROCESSES:-96}" \

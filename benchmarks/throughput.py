@@ -35,6 +35,7 @@ rounds, after in even ones: the peer's figures move with the machine's host far 
 ours), and each row reports each side's median round, their ratio and every round's figures.
 """
 import argparse
+import dataclasses
 import gc
 import json
 import math
@@ -76,11 +77,14 @@ def model_config(name: str) -> LlamaConfig:
     return LlamaConfig(n_layer, dim, n_head, n_kv, ffn, vocab, 8192, 1e-5, rope, tied)
 
 
-def random_model(name: str) -> PretrainedModel:
+def random_model(name: str, layers: int = 0) -> PretrainedModel:
     """A random-weight model of `name`'s shape on the GPU (std 0.02 matrices, unit norms), placed
-    as `gen.import_model` places one: under the library's deterministic CUDA policy."""
+    as `gen.import_model` places one: under the library's deterministic CUDA policy. With `layers`:
+    its first `layers` layers only."""
     device = check_device(DEV)
     config = model_config(name)
+    if layers:
+        config = dataclasses.replace(config, n_layer=layers)
     g = torch.Generator(device=device).manual_seed(0)
     weights = {}
     for tensor, (_, role, shape) in names.expected(config).items():
