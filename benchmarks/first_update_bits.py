@@ -231,5 +231,6 @@ def main():
         with open(a.out, "w") as f:           # after each batch: a cut call keeps what ran
             json.dump(record, f)
 
+
 if __name__ == "__main__":
     main()
