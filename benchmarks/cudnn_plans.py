@@ -3,8 +3,7 @@ fresh processes (PARALLEL at once) each build the forward and deterministic back
 `kernels.cudnn_attention` at Llama-3.2-1B's heads (8 x 1024 positions, 32 query and 8 key/value
 heads of 64, each over (B, T, heads, E) memory as training lays them out) over the same seeded
 operands, run them, and record each graph's candidate plans (the heuristics' order; the first that
-builds runs), each engine's knobs, the frontend's log of what it chose (`plan_lines`) and a digest
-of every output.
+builds runs), the frontend's log of what it chose (`plan_lines`) and a digest of every output.
 
     python benchmarks/cudnn_plans.py OUT.json [--processes N (96)] [--parallel P (8)]
 """
@@ -52,12 +51,7 @@ def one() -> dict:
                  for op, g in graphs.items()}
     except Exception as e:    # the frontend's own error, kept: the digests still say whether bits differ
         plans = repr(e)
-    try:                      # what a plan pinned by engine and knobs (`create_execution_plan`) could name
-        engines = {op: [str(g.get_knobs_for_engine(i)) for i in range(g.get_engine_count())]
-                   for op, g in graphs.items()}
-    except Exception as e:
-        engines = repr(e)
-    return {"plans": plans, "engines": engines, "log": plan_lines(),
+    return {"plans": plans, "log": plan_lines(),
             "digests": {n: digest(t) for n, t in (("o", o), ("dq", q.grad), ("dk", k.grad), ("dv", v.grad))}}
 
 
@@ -79,7 +73,7 @@ def main():
         for p in procs:
             out, _ = p.communicate()
             runs.append(json.loads(out.splitlines()[-1]) if p.returncode == 0 else {"failed": p.returncode})
-            differ = [k for k in ("digests", "plans", "engines", "log", "failed") if runs[-1].get(k) != runs[0].get(k)]
+            differ = [k for k in ("digests", "plans", "log", "failed") if runs[-1].get(k) != runs[0].get(k)]
             print(len(runs), f"{', '.join(differ)} differ: {json.dumps(runs[-1])[:3000]}" if differ else "same",
                   flush=True)
         with open(a.out, "w") as f:           # after each batch: a cut call keeps what ran
