@@ -25,6 +25,20 @@ def logged(path: str) -> dict:
     return os.environ | {"CUDNN_FRONTEND_LOG_INFO": "1", "CUDNN_FRONTEND_LOG_FILE": path}
 
 
+def children(args_of, count: int, parallel: int):
+    """(i, return code, stdout, stderr) of `count` child processes of this interpreter, in order:
+    process i runs with arguments args_of(i) and its frontend logging to a file of its own
+    (`logged`), `parallel` at once."""
+    logs = tempfile.mkdtemp()
+    for start in range(0, count, parallel):
+        batch = [(i, subprocess.Popen([sys.executable, *args_of(i)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True, env=logged(f"{logs}/{i}.log")))
+                 for i in range(start, min(start + parallel, count))]
+        for i, child in batch:
+            out, err = child.communicate()
+            yield i, child.returncode, out, err
+
+
 def plan_lines() -> dict:
     """The lines of this process's frontend log (see `logged`) that say which SDPA implementation,
     candidates and plans cuDNN chose, each with its count; empty where it does not log."""
@@ -65,18 +79,15 @@ def main():
     if a.run:
         print(json.dumps(one()))
         return
-    runs, logs = [], tempfile.mkdtemp()
-    for batch in range(0, a.processes, a.parallel):
-        procs = [subprocess.Popen([sys.executable, __file__, "-", "--run"], stdout=subprocess.PIPE, text=True,
-                                  env=logged(f"{logs}/{i}.log"))
-                 for i in range(batch, min(batch + a.parallel, a.processes))]
-        for p in procs:
-            out, _ = p.communicate()
-            runs.append(json.loads(out.splitlines()[-1]) if p.returncode == 0 else {"failed": p.returncode})
-            differ = [k for k in ("digests", "plans", "log", "failed") if runs[-1].get(k) != runs[0].get(k)]
-            print(len(runs), f"{', '.join(differ)} differ: {json.dumps(runs[-1])[:3000]}" if differ else "same",
-                  flush=True)
-        with open(a.out, "w") as f:           # after each batch: a cut call keeps what ran
+    runs = []
+    for _, code, out, err in children(lambda i: [__file__, "-", "--run"], a.processes, a.parallel):
+        if code:
+            print(err[-3000:], file=sys.stderr)
+        runs.append(json.loads(out.splitlines()[-1]) if code == 0 else {"failed": code})
+        differ = [k for k in ("digests", "plans", "log", "failed") if runs[-1].get(k) != runs[0].get(k)]
+        print(len(runs), f"{', '.join(differ)} differ: {json.dumps(runs[-1])[:3000]}" if differ else "same",
+              flush=True)
+        with open(a.out, "w") as f:           # after each process: a cut call keeps what ran
             json.dump({"first": runs[0], "processes": len(runs),
                        "differ": {i: r for i, r in enumerate(runs) if r != runs[0]}}, f)
     print(json.dumps(runs[0])[:3000])

@@ -26,9 +26,7 @@ gives other bits, or NaN, in those processes (`nan_filled`: a new tensor read ba
 """
 import argparse
 import json
-import subprocess
 import sys
-import tempfile
 
 import torch
 
@@ -206,29 +204,25 @@ def main():
         return
     record = {"combo": a.combo, "layers": a.layers, "updates": a.updates, "first": None, "processes": [],
               "differing": {}}            # process number -> its whole record, where it differs
-    logs, firsts = tempfile.mkdtemp(), {}     # firsts: fill -> its first process, which the others of it meet
-    for start in range(0, a.processes, a.parallel):
-        numbers = range(start, min(start + a.parallel, a.processes))
-        fills = [a.fills[i % len(a.fills)] for i in numbers]
-        children = [subprocess.Popen([sys.executable, __file__, "-", "--run", "--combo", a.combo, "--fills", fill,
-                                      "--updates", str(a.updates), "--layers", str(a.layers)] + ["--names"] * a.names,
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                     env=cudnn_plans.logged(f"{logs}/{i}.log"))
-                    for i, fill in zip(numbers, fills)]
-        for i, fill, child in zip(numbers, fills, children):
-            out, err = child.communicate()
-            if child.returncode:
-                sys.exit(err[-3000:])
-            run = json.loads(out.splitlines()[-1])
-            record["first"] = record["first"] or run
-            diff = differences(firsts.setdefault(fill, run), run)
-            record["processes"].append({k: run.get(k) for k in ("fill", "nan_filled", "losses", "validation_loss")}
-                                       | {"differ": diff})
-            if diff:
-                record["differing"][i + 1] = run
-            print(f"process {i + 1} (fill {fill}): losses {run['losses']!r}, {len(diff)} digests differ from the "
-                  f"first process of its fill{': ' + ', '.join(diff[:20]) if diff else ''}", flush=True)
-        with open(a.out, "w") as f:           # after each batch: a cut call keeps what ran
+    firsts = {}     # fill -> its first process, which the others of it meet
+
+    def args(i):    # the fills cycle over the processes
+        return [__file__, "-", "--run", "--combo", a.combo, "--fills", a.fills[i % len(a.fills)],
+                "--updates", str(a.updates), "--layers", str(a.layers)] + ["--names"] * a.names
+    for i, code, out, err in cudnn_plans.children(args, a.processes, a.parallel):
+        if code:
+            sys.exit(err[-3000:])
+        run = json.loads(out.splitlines()[-1])
+        fill = run["fill"]
+        record["first"] = record["first"] or run
+        diff = differences(firsts.setdefault(fill, run), run)
+        record["processes"].append({k: run.get(k) for k in ("fill", "nan_filled", "losses", "validation_loss")}
+                                   | {"differ": diff})
+        if diff:
+            record["differing"][i + 1] = run
+        print(f"process {i + 1} (fill {fill}): losses {run['losses']!r}, {len(diff)} digests differ from the first "
+              f"process of its fill{': ' + ', '.join(diff[:20]) if diff else ''}", flush=True)
+        with open(a.out, "w") as f:           # after each process: a cut call keeps what ran
             json.dump(record, f)
 
 
