@@ -28,11 +28,12 @@ def logged(path: str) -> dict:
 def children(args_of, count: int, parallel: int):
     """(i, return code, stdout, stderr) of `count` child processes of this interpreter, in order:
     process i runs with arguments args_of(i) and its frontend logging to a file of its own
-    (`logged`), `parallel` at once."""
-    logs = tempfile.mkdtemp()
+    (`logged`), `parallel` at once, each with its share of the cores for PyTorch's host threads (so
+    that several processes' thread pools do not contend for every core)."""
+    logs, threads = tempfile.mkdtemp(), str(max(1, os.cpu_count() // parallel))
     for start in range(0, count, parallel):
         batch = [(i, subprocess.Popen([sys.executable, *args_of(i)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                      text=True, env=logged(f"{logs}/{i}.log")))
+                                      text=True, env=logged(f"{logs}/{i}.log") | {"OMP_NUM_THREADS": threads}))
                  for i in range(start, min(start + parallel, count))]
         for i, child in batch:
             out, err = child.communicate()

@@ -57,7 +57,7 @@
 #               process's new tensors hold: none, or PyTorch's NaN fill, e.g. FILLS="none nan"; NAMES, default 1:
 #               the names of the kernels each process's eager pass runs, cuBLAS's and cuDNN's choices among
 #               them, NAMES=0 none; LAYERS, default all: the model's first LAYERS layers only; PARALLEL,
-#               default 1: processes at once)
+#               default 1: processes at once, each with cores / PARALLEL host threads)
 #                                                                     -> <date>-h200-first-update-bits.json
 #   plans       benchmarks/cudnn_plans.py: PROCESSES (default 96) light processes, PARALLEL (default 8) at once, each
 #               building cuDNN's attention at Llama-3.2-1B's heads: its plans, the frontend's log of its choice
