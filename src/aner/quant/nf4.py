@@ -7,8 +7,9 @@ per byte, the first element of a pair in the HIGH nibble (bnb's order); an odd n
 index 7 (the code of 0.0), which is what bnb writes.
 
 Double quantization (bnb `compress_statistics=True`): the per-block absmax vector is centred by
-its FP32 mean (`offset`, the same bits on any number of threads), and the centred values are quantized to 8-bit indices into the signed
-dynamic map in blocks of 256, each with its own FP32 scale (that block's absmax).
+its FP32 mean (`offset`, the same bits on any number of threads), and the centred values are
+quantized to 8-bit indices into the signed dynamic map in blocks of 256, each with its own FP32
+scale (that block's absmax).
 
 Numerics (all FP32, CPU, deterministic; each operation is rounded as bnb rounds it):
   nf4 index   = number of NF4 midpoints < w * (1/absmax)  (full blocks; the partial last block
@@ -193,8 +194,8 @@ def dequantize_dynamic8(codes: torch.Tensor, scales: torch.Tensor, block: int = 
 
 def _sum(x: torch.Tensor) -> torch.Tensor:
     """x's FP32 sum, the same bits on any number of threads. PyTorch sums fewer than 32768 elements
-    (its parallel grain) on one thread, and a longer vector in one part a thread, which rounds
-    differently on another machine; so a longer x is summed as the sum of its 16384-element parts' sums."""
+    (its parallel grain) on one thread, and a longer vector in one part a thread, so its rounding
+    follows the thread count; a longer x is summed as the sum of its 16384-element parts' sums."""
     if x.numel() < 1 << 15:
         return x.sum()
     return _sum(torch.stack([part.sum() for part in x.split(1 << 14)]))
@@ -205,7 +206,7 @@ def double_quantize(absmax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, t
 
     offset is the FP32 mean, sum then divide, as torch's mean (the call bnb makes): the two agree
     bit for bit below 32768 blocks. Above, torch's mean depends on the number of threads and ours
-    does not (`_sum`), so a packed matrix is the same on every machine.
+    does not (`_sum`), so a packed matrix has the same bytes on any number of threads.
     """
     offset = _sum(absmax) / absmax.numel()
     codes, scales = quantize_dynamic8(absmax - offset)
