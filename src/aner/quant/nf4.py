@@ -24,7 +24,8 @@ Numerics (all FP32, CPU, deterministic; each operation is rounded as bnb rounds 
                 step, 1/65535 of the scale, against a code spacing of up to 0.014 of it. The grid
                 has no point at 0: a centred absmax of exactly 0 comes back as 2.125e-5 * scale.
 Measured: every element of the dequantized weights, the packed codes, the absmax codes, scales
-and offset equal bnb 0.50.2's bit for bit (tests/test_nf4.py, shapes 1823x781 ... 576x1536).
+and offset equal bnb 0.50.2's bit for bit (tests/test_nf4.py, shapes 1823x781 ... 576x1536). Over
+32768 blocks bnb's offset follows the thread count and ours does not (`double_quantize`).
 
 The weight is frozen: `nf4_linear` returns input gradients only, decoding bounded row tiles.
 """
