@@ -7,8 +7,11 @@ execution on fresh pool memory, differs from its second read something before it
 raced), a digest of every module's output in the eager pass that precedes each recording (in call
 order; with --names the names of the CUDA kernels that pass runs too) and of every tensor that the
 calls between them read and write there (`eager_calls`: the adapter's kernels, RoPE and cuDNN's
-attention, `TRACED`), the cuDNN frontend's log of the SDPA implementation and plans it chose
-(`cudnn_log`, `cudnn_plans.plan_lines`), the update's loss, and the device copies' digests again;
+attention, `TRACED`), the RoPE tables' digests as made, at the end and as made again on the host
+(`rope`, with the first elements where they differ from the host's, and how many values PyTorch's
+threaded CPU cos and sin get wrong at that point), the cuDNN frontend's log of the SDPA
+implementation and plans it chose (`cudnn_log`, `cudnn_plans.plan_lines`), the update's loss, and
+the device copies' digests again;
 the driver runs PROCESSES of them (PARALLEL at once) and records the first process's digests, each
 process's losses and what differs from the first process of its fill, and the whole record of each
 process that differs. The digests of the batch, the module outputs and the traced calls' tensors
@@ -32,8 +35,10 @@ import torch
 
 import cudnn_plans
 import replay_bits
+import rope_bits
 import throughput
 from aner.kernels import cudnn_attention, layer, lora
+from aner.model import llama
 from aner.train.graphs import Graphed
 
 # the calls between the modules whose every tensor is digested in the eager passes: the adapter's
@@ -125,6 +130,37 @@ def traced(module, name: str, calls: list):
     return fn
 
 
+def rope_kept(made: list):
+    """llama.rope_tables appending to `made`, for each (cos, sin) it makes on a device: those
+    tensors, the queued digests of their bits as made, the same tables made again on the host, and
+    their values by PyTorch's threaded CPU cos and sin (`rope_bits.threaded`, as the tables were
+    made before), at the same point of the process; returns the function it replaced."""
+    tables = llama.rope_tables
+
+    def rope_tables(config, T, device):
+        cos, sin = tables(config, T, device)
+        made.append(((cos, sin), (queued_digest(cos), queued_digest(sin)), tables(config, T, "cpu"),
+                     rope_bits.threaded(config, T)))
+        return cos, sin
+    llama.rope_tables = rope_tables
+    return tables
+
+
+def rope_record(made: list) -> list:
+    """For each table `rope_kept` saw: its digests as made, now, and made again on the host, the
+    first 16 elements where it now differs from the host's (name, row, column, its value, the host's)
+    and the number of cos and sin values where PyTorch's threaded ones differ from the host's."""
+    out = []
+    for device, queued, host, threaded in made:
+        now = [t.cpu() for t in device]
+        unequal = [[name, *map(int, at), float.hex(a[tuple(at)].item()), float.hex(b[tuple(at)].item())]
+                   for name, a, b in zip(("cos", "sin"), now, host) for at in (a != b).nonzero()[:16]]
+        out.append({"made": [int(d) for d in queued], "now": [digest(t) for t in now],
+                    "host": [digest(t) for t in host], "unequal": unequal[:16],
+                    "threaded_unequal": [int((t != w).sum()) for t, w in zip(threaded, rope_bits.values(*host))]})
+    return out
+
+
 def one(combo: str, fill: str, updates: int, names: bool = False, layers: int = 0) -> dict:
     out = {"fill": fill}
     if fill == "nan":
@@ -154,16 +190,18 @@ def one(combo: str, fill: str, updates: int, names: bool = False, layers: int = 
     hook = torch.nn.modules.module.register_module_forward_hook(
         lambda module, args, output: None if torch.cuda.is_current_stream_capturing() else eager.append(
             (type(module).__name__, queued_digest(output) if isinstance(output, torch.Tensor) else None)))
-    calls = []
+    calls, made = [], []
     replaced = [traced(module, name, calls) for module, name in TRACED]
+    tables = rope_kept(made)
     try:
         m = src._train(tr, va, state, updates, progress=False)
     finally:
-        Graphed.__call__, Graphed._record = replay, record
+        Graphed.__call__, Graphed._record, llama.rope_tables = replay, record, tables
         for (module, name), fn in zip(TRACED, replaced):
             setattr(module, name, fn)
         hook.remove()
-    # the calls first: the driver's line names the first that differ, in call order
+    # the tables and calls first: the driver's line names the first that differ, in call order
+    out["rope"] = rope_record(made)
     out["eager_calls"] = {f"{i} {what}": {n: int(d) for n, d in ds.items()} for i, (what, ds) in enumerate(calls)}
     out["eager_module_outputs"] = {str(i): name if d is None else f"{name} {int(d)}"
                                    for i, (name, d) in enumerate(eager)}

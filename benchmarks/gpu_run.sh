@@ -59,6 +59,9 @@
 #               them, NAMES=0 none; LAYERS, default all: the model's first LAYERS layers only; PARALLEL,
 #               default 1: processes at once, each with cores / PARALLEL host threads)
 #                                                                     -> <date>-h200-first-update-bits.json
+#   rope        benchmarks/rope_bits.py: PROCESSES (default 200) fresh processes, PARALLEL (default 2) at once,
+#               each taking RoPE's cos and sin with PyTorch's CPU kernels twice: the values unequal to
+#               the C library's in each call                          -> <date>-h200-rope-bits.json
 #   plans       benchmarks/cudnn_plans.py: PROCESSES (default 96) light processes, PARALLEL (default 8) at once, each
 #               building cuDNN's attention at Llama-3.2-1B's heads: its plans, the frontend's log of its choice
 #               and the bits of its outputs, which differ from the first process's  -> <date>-h200-cudnn-plans.json
@@ -129,6 +132,8 @@ for stage in "$@"; do
              --layers "${LAYERS:-0}" --parallel "${PARALLEL:-1}" \
              --updates "${UPDATES:-1}" --fills ${FILLS:-none} $([ "${NAMES:-1}" = 1 ] && echo --names) 2>&1 \
              | tee "$OUT/first-update-bits.log" ;;
+    rope) python3 benchmarks/rope_bits.py "$OUT/$day-h200-rope-bits.json" --processes "${PROCESSES:-200}" \
+            --parallel "${PARALLEL:-2}" 2>&1 | tee "$OUT/rope-bits.log" ;;
     plans) python3 benchmarks/cudnn_plans.py "$OUT/$day-h200-cudnn-plans.json" --processes "${PROCESSES:-96}" \
              --parallel "${PARALLEL:-8}" 2>&1 | cut -c1-400 | tee "$OUT/cudnn-plans.log" ;;
     same) for round in $(seq "${ROUNDS:-3}"); do

@@ -1,6 +1,7 @@
 """Training, exact resume and checkpoints on a tiny random Llama with real chat-formatted data."""
 import json
 import shutil
+from decimal import Decimal, localcontext
 
 import numpy as np
 import pytest
@@ -9,6 +10,8 @@ import torch
 from aner import AnerError, gen
 from aner.errors import ArtifactError, ConfigError, DataError, FormatError, ResourceError
 from aner.formats.checkpoint import _digest
+from aner.model.config import LlamaConfig
+from aner.model.llama import rope_tables
 from aner.model.names import ALIASES
 from aner.train.loop import TrainState, RunConfig, window
 from fixtures import assert_same_state, rewrite, train_counting_saved
@@ -95,6 +98,39 @@ def test_same_inputs_give_identical_bits(base, data):
     a = base.lora(seed=3).fine_tune(tr, va, steps=2, seed=8)
     b = base.lora(seed=3).fine_tune(tr, va, steps=2, seed=8)
     assert_same_state(a, b)
+
+
+PI = Decimal("3.14159265358979323846264338327950288419716939937510582097494459230781640628620899863")
+
+
+def cos_sin(x: float) -> tuple[float, float]:
+    """cos and sin of the float x by 60-digit decimal arithmetic (Taylor series after taking out
+    multiples of 2 pi), each rounded to the nearest float64."""
+    with localcontext() as ctx:
+        ctx.prec = 60
+        r = Decimal(x) % (2 * PI)
+        sums, term, n = [Decimal(0), Decimal(0)], Decimal(1), 0     # term = r^n / n!
+        while abs(term) > Decimal(10) ** -55:
+            sums[n % 2] += term * (-1 if n % 4 >= 2 else 1)
+            n += 1
+            term = term * r / n
+        return float(sums[0]), float(sums[1])
+
+
+def test_rope_tables_are_their_exact_values_rounded_once():
+    """Every entry of the RoPE tables is cos or sin of its float64 angle rounded once to FP32 (the
+    reference: decimal arithmetic), in the layout the rope kernel reads. Every trained bit follows
+    these tables; PyTorch's threaded CPU cos, which made them before, was ~1e-8 off in rare processes."""
+    config = LlamaConfig(n_layer=1, dim=2048, n_head=32, n_kv_head=8, ffn_dim=1, vocab_size=1,
+                         context_length=1024, rms_eps=1e-5, rope_base=500000.0, tied_embeddings=True)
+    cos, sin = rope_tables(config, 1024, "cpu")
+    assert cos.shape == sin.shape == (1024, 64) and cos.dtype == sin.dtype == torch.float32
+    assert torch.equal(cos[:, 0::2], cos[:, 1::2]) and torch.equal(sin[:, 0::2], -sin[:, 1::2])
+    inv = [500000.0 ** (-i / 64) for i in range(0, 64, 2)]
+    for t in [*range(0, 1024, 9), 1023]:
+        want = np.array([cos_sin(t * w) for w in inv], dtype=np.float32)      # (32, 2)
+        assert np.array_equal(cos[t, 0::2].numpy(), want[:, 0]), t
+        assert np.array_equal(sin[t, 1::2].numpy(), want[:, 1]), t
 
 
 # ---- refusals --------------------------------------------------------------------------------

@@ -13,6 +13,9 @@ x * rsqrt(mean(x^2) + eps) then times its weight; RoPE rotates adjacent pairs (x
 by pos * base^(-2i/E) (llama.cpp's "normal" mode, the layout GGUF stores Q/K in); attention is
 softmax(QK^T / sqrt(E)) V with query head h reading key/value head h // (H/K).
 """
+import math
+from array import array
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -142,11 +145,19 @@ class RMSNorm(nn.Module):
 
 def rope_tables(config: LlamaConfig, T: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and signed sin of pos * base^(-2i/E), computed in float64 and rounded once to FP32, laid
-    out per element of a head: cos (c0, c0, c1, c1, ...), sin (-s0, s0, -s1, s1, ...). (T, E) each."""
+    out per element of a head: cos (c0, c0, c1, c1, ...), sin (-s0, s0, -s1, s1, ...). (T, E) each.
+
+    The C library's scalar pow, cos and sin, one element at a time (~10 ns each): PyTorch's threaded
+    CPU cos made a table of other bits in 1 of 28 processes on a 16-core host (float64 values ~1e-8
+    off from its second chunk on, its next call in the same process exact), and every bit a run
+    trains follows these tables."""
     E = config.head_dim
-    inv = config.rope_base ** (-torch.arange(0, E, 2, dtype=torch.float64) / E)
-    angles = torch.arange(T, dtype=torch.float64)[:, None] * inv[None, :]   # (T, E/2)
-    cos, sin = angles.cos().float(), angles.sin().float()
+    inv = [config.rope_base ** (-i / E) for i in range(0, E, 2)]
+
+    def table(f) -> torch.Tensor:                                            # (T, E/2)
+        values = array("d", (f(p * w) for p in range(T) for w in inv))
+        return torch.frombuffer(values, dtype=torch.float64).float().view(T, E // 2)
+    cos, sin = table(math.cos), table(math.sin)
     cos = cos.repeat_interleave(2, dim=-1)                                   # (T, E)
     sin = torch.stack((-sin, sin), dim=-1).flatten(-2)                       # (T, E)
     return cos.to(device), sin.to(device)
