@@ -150,7 +150,8 @@ def rope_tables(config: LlamaConfig, T: int, device) -> tuple[torch.Tensor, torc
     The C library's scalar pow, cos and sin, one element at a time (7 ms for 1024 positions of 64):
     PyTorch's threaded CPU cos made a table of other bits in about one training process of 25 on a
     16-core host (float64 values ~1e-8 off past its first thread's share, its next call in the same
-    process exact), and every bit a run trains follows these tables."""
+    process exact: MKL's vector math picking its kernel on a function's first call, racing across
+    threads, PyTorch issue 188792), and every bit a run trains follows these tables."""
     E = config.head_dim
     inv = [config.rope_base ** (-i / E) for i in range(0, E, 2)]
 
