@@ -194,7 +194,7 @@ class PretrainedModel:
             optimizer_bytes=optimizer, dequant_tile_bytes=self._dequant_tile_bytes(),
             estimated_budget_bytes=self._budget, compute_dtype=self._profile.precision, storage=self._storage,
             paged_optimizer=paged, paged_optimizer_bytes=optimizer if paged else 0,
-            optimizer_window_bytes=4 * self._profile.page_bytes if paged else 0,
+            optimizer_window_bytes=2 * 2 * self._profile.page_bytes if paged else 0,   # two (m, v) page pairs
             gpu_packed_base_bytes=sum(c.nbytes() for c in self._device_copies.values()))
 
     def _dequant_tile_bytes(self) -> int:

@@ -125,19 +125,6 @@ def module_path(name: str) -> str:
     raise UnsupportedModelError(f"tensor {name!r} is not part of the supported Llama profile")
 
 
-def gguf_name(path: str) -> str:
-    """Module path -> GGUF tensor name (the inverse of `module_path`)."""
-    for name, row in GLOBAL.items():
-        if row[0] == path:
-            return name
-    m = re.fullmatch(r"layers\.(\d+)\.(\w+)", path)
-    if m:
-        for suffix, row in PER_LAYER.items():
-            if row[0] == m.group(2):
-                return f"blk.{m.group(1)}.{suffix}"
-    raise KeyError(path)
-
-
 def check_tensors(config, present: dict[str, tuple[int, ...]]) -> dict:
     """Refuse unknown, missing or misshapen tensors; return the expected table."""
     table = expected(config)

@@ -188,11 +188,6 @@ def quantize_dynamic8(x: torch.Tensor, block: int = ABSMAX_BLOCK) -> tuple[torch
     return codes.reshape(-1)[:n], scales
 
 
-def dequantize_dynamic8(codes: torch.Tensor, scales: torch.Tensor, block: int = ABSMAX_BLOCK) -> torch.Tensor:
-    """DYNAMIC8_CODEBOOK[code] * scales[i // block], FP32."""
-    return _scale_blocks(DYNAMIC8_CODEBOOK[codes.long()], scales, block)
-
-
 def _sum(x: torch.Tensor) -> torch.Tensor:
     """x's FP32 sum, the same bits on any number of threads. PyTorch sums fewer than 32768 elements
     (its parallel grain) on one thread, and a longer vector in one part a thread, so its rounding
@@ -215,12 +210,11 @@ def double_quantize(absmax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, t
 
 
 def double_dequantize(codes: torch.Tensor, scales: torch.Tensor, offset: torch.Tensor,
-                      first_block: int = 0) -> torch.Tensor:
-    """Absmax of NF4 blocks first_block .. first_block + len(codes): code * scale, then + offset.
+                      block_ids: torch.Tensor) -> torch.Tensor:
+    """Absmax of the NF4 blocks `block_ids` from their codes: code * scale, then + offset.
 
     Two FP32 roundings (multiply, then add), never fused, as bnb's dequantize_blockwise + add.
     """
-    block_ids = torch.arange(first_block, first_block + codes.numel())
     return DYNAMIC8_CODEBOOK[codes.long()] * scales[block_ids // ABSMAX_BLOCK] + offset
 
 
@@ -279,8 +273,8 @@ class NF4Weight:
         """Decoded FP32 absmax of NF4 blocks first .. stop - 1."""
         if not self.double_quant:
             return self.absmax[first:stop]
-        return double_dequantize(self.absmax_codes[first:stop], self.absmax_scales,
-                                 self.absmax_offset, first_block=first)
+        return double_dequantize(self.absmax_codes[first:stop], self.absmax_scales, self.absmax_offset,
+                                 torch.arange(first, stop))
 
     def decode_span(self, start: int, stop: int) -> torch.Tensor:
         """Flat elements start .. stop - 1 as float32, touching only their blocks.
@@ -324,8 +318,7 @@ class NF4Weight:
         idx = torch.where((flat & 1) == 0, byte >> 4, byte & 0xF)
         block = flat // NF4_BLOCK
         if self.double_quant:
-            scale = DYNAMIC8_CODEBOOK[self.absmax_codes[block].long()] \
-                * self.absmax_scales[block // ABSMAX_BLOCK] + self.absmax_offset
+            scale = double_dequantize(self.absmax_codes[block], self.absmax_scales, self.absmax_offset, block)
         else:
             scale = self.absmax[block]
         out = NF4_CODEBOOK[idx.long()] * scale

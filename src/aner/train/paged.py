@@ -22,9 +22,6 @@ class PagedAdamW:
     page_bytes: int
     device: str
 
-    def window_bytes(self) -> int:
-        return 2 * 2 * self.page_bytes  # two buffer pairs (m, v) of one page each
-
     def init_moments(self, params: dict) -> dict:
         return {n: (torch.zeros(p.shape, dtype=torch.float32, pin_memory=True),
                     torch.zeros(p.shape, dtype=torch.float32, pin_memory=True)) for n, p in params.items()}
