@@ -115,16 +115,6 @@ def _row(row, config):
     return path, role, shape(config)
 
 
-def module_path(name: str) -> str:
-    """GGUF tensor name -> path of the module that owns it in the Llama tree."""
-    m = _LAYER.fullmatch(name)
-    if m and m.group(2) in PER_LAYER:
-        return f"layers.{m.group(1)}.{PER_LAYER[m.group(2)][0]}"
-    if name in GLOBAL:
-        return GLOBAL[name][0]
-    raise UnsupportedModelError(f"tensor {name!r} is not part of the supported Llama profile")
-
-
 def check_tensors(config, present: dict[str, tuple[int, ...]]) -> dict:
     """Refuse unknown, missing or misshapen tensors; return the expected table."""
     table = expected(config)
