@@ -14,10 +14,11 @@ import sys
 import torch
 
 import cudnn_plans
+import throughput
 from aner.model import llama
 from aner.model.config import LlamaConfig
 
-CONFIG = LlamaConfig(16, 2048, 32, 8, 8192, 128256, 8192, 1e-5, 500000.0, True)   # Llama-3.2-1B's heads
+CONFIG = throughput.model_config("llama-3.2-1b")
 
 
 def threaded(config: LlamaConfig, T: int) -> tuple[torch.Tensor, torch.Tensor]:
