@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The GPU evidence, in stages, on the GPU machine (each stage fits one 10-minute call):
 #   device run, carry [".whl"]:  bash benchmarks/gpu_run.sh tests profiles kernels lora adamw norms attention throughput
-#   tests       tests/test_gpu.py, test_kernels.py, test_lora_kernels.py, test_adamw_kernel.py, test_attention.py -> gpu-tests.log
+#   tests       the GPU tests: test_gpu.py and the kernels' (GPU_TESTS below) -> gpu-tests.log
 #               (TESTS="pytest arguments" narrows it; quotes inside it are honoured:
-#               TESTS="tests/test_kernels.py -k 'fast or exact'")
+#               TESTS="tests/test_kernels.py -k 'fast or exact'"; SHARDS=n: n processes, one a GPU,
+#               test i of the collection in process i % n -> gpu-tests-<i>.log)
 #   profiles    benchmarks/gpu_profiles.py (the profile matrix)      -> <date>-h200-profiles.json
 #   kernels     benchmarks/nf4_kernels.py (fused NF4 against dense)  -> <date>-h200-nf4-kernels.json
 #               (KERNELS=--quick: the 4096 x 4096 points only; "--defaults --problems N,K,M ...": the default rows there)
@@ -79,6 +80,8 @@
 #     ensure_default_model as m; g = read_gguf(m()); write_gguf('.whl/smollm2-tokenizer.gguf', \
 #     [f for k, f in g.fields.items() if k.startswith('tokenizer.') or k == 'general.architecture'], [])"
 set -uo pipefail
+GPU_TESTS="tests/test_gpu.py tests/test_kernels.py tests/test_lora_kernels.py tests/test_adamw_kernel.py tests/test_attention.py
+           tests/test_layer_kernels.py tests/test_cross_entropy_kernel.py"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1 CUBLAS_WORKSPACE_CONFIG=:4096:8
 export ANER_TOKENIZER_GGUF=$PWD/.whl/smollm2-tokenizer.gguf
@@ -87,8 +90,17 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 for stage in "$@"; do
   echo "== $stage $(date +%T)"
   case $stage in
-    tests) eval "python3 -m pytest -q -p no:cacheprovider ${TESTS:-tests/test_gpu.py tests/test_kernels.py tests/test_lora_kernels.py tests/test_adamw_kernel.py tests/test_attention.py}" 2>&1 \
-             | tee "$OUT/gpu-tests.log" | tail -n 30 ;;
+    tests) eval "tests=(${TESTS:-$GPU_TESTS})"
+           if [ "${SHARDS:-1}" = 1 ]; then
+             python3 -m pytest -q -p no:cacheprovider "${tests[@]}" 2>&1 | tee "$OUT/gpu-tests.log" | tail -n 30
+           else      # test i of the collection on GPU i % SHARDS, one process a GPU
+             python3 -m pytest -q -p no:cacheprovider --collect-only "${tests[@]}" | grep '::' > /tmp/ids
+             for g in $(seq 0 $((SHARDS - 1))); do
+               mapfile -t ids < <(awk -v g=$g -v n=$SHARDS 'NR % n == g' /tmp/ids)
+               CUDA_VISIBLE_DEVICES=$g python3 -m pytest -q -p no:cacheprovider "${ids[@]}" > "$OUT/gpu-tests-$g.log" 2>&1 &
+             done
+             wait; tail -n 3 "$OUT"/gpu-tests-*.log
+           fi ;;
     profiles) python3 benchmarks/gpu_profiles.py "$OUT/$day-h200-profiles.json" 2>&1 | tee "$OUT/gpu-profiles.log" ;;
     ws) python3 benchmarks/nf4_ws.py "$OUT/$day-h200-nf4-ws.json" 2>&1 | tee "$OUT/nf4-ws.log" | tail -n 40 ;;
     rs) python3 benchmarks/nf4_rs.py "$OUT/$day-h200-nf4-rs.json" 2>&1 | tee "$OUT/nf4-rs.log" | tail -n 40 ;;
