@@ -3,8 +3,8 @@
 #   device run, carry [".whl"]:  bash benchmarks/gpu_run.sh tests profiles kernels lora adamw norms attention throughput
 #   tests       the GPU tests: test_gpu.py and the kernels' (GPU_TESTS below) -> gpu-tests.log
 #               (TESTS="pytest arguments" narrows it; quotes inside it are honoured:
-#               TESTS="tests/test_kernels.py -k 'fast or exact'"; SHARDS=n: n processes, one a GPU,
-#               test i of the collection in process i % n -> gpu-tests-<i>.log)
+#               TESTS="tests/test_kernels.py -k 'fast or exact'"; SHARDS=n: n processes, process g on
+#               GPU g % (the GPUs), test i of the collection in process i % n -> gpu-tests-<i>.log)
 #   profiles    benchmarks/gpu_profiles.py (the profile matrix)      -> <date>-h200-profiles.json
 #   kernels     benchmarks/nf4_kernels.py (fused NF4 against dense)  -> <date>-h200-nf4-kernels.json
 #               (KERNELS=--quick: the 4096 x 4096 points only; "--defaults --problems N,K,M ...": the default rows there)
@@ -93,11 +93,13 @@ for stage in "$@"; do
     tests) eval "tests=(${TESTS:-$GPU_TESTS})"
            if [ "${SHARDS:-1}" = 1 ]; then
              python3 -m pytest -q -p no:cacheprovider "${tests[@]}" 2>&1 | tee "$OUT/gpu-tests.log" | tail -n 30
-           else      # test i of the collection on GPU i % SHARDS, one process a GPU
+           else      # test i of the collection in process i % SHARDS, process g on GPU g % (the GPUs)
              python3 -m pytest -q -p no:cacheprovider --collect-only "${tests[@]}" | grep '::' > /tmp/ids
+             gpus=$(nvidia-smi -L 2>/dev/null | grep -c GPU); gpus=$((gpus > 0 ? gpus : 1))
              for g in $(seq 0 $((SHARDS - 1))); do
                mapfile -t ids < <(awk -v g=$g -v n=$SHARDS 'NR % n == g' /tmp/ids)
-               CUDA_VISIBLE_DEVICES=$g python3 -m pytest -q -p no:cacheprovider "${ids[@]}" > "$OUT/gpu-tests-$g.log" 2>&1 &
+               CUDA_VISIBLE_DEVICES=$((g % gpus)) OMP_NUM_THREADS=$(($(nproc) / SHARDS > 0 ? $(nproc) / SHARDS : 1)) \
+                 python3 -m pytest -q -p no:cacheprovider "${ids[@]}" > "$OUT/gpu-tests-$g.log" 2>&1 &
              done
              wait; tail -n 3 "$OUT"/gpu-tests-*.log
            fi ;;
