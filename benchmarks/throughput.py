@@ -32,7 +32,8 @@ same work), `:cudnn` attention through cuDNN's deterministic kernels (attention_
 record holds both sides and their ratios.
 `--rounds R` measures both sides R times in one call, alternated (the peer before ours in odd
 rounds, after in even ones: the peer's figures move with the machine's host far more than
-ours), and each row reports each side's median round, their ratio and every round's figures.
+ours), and each row reports each side's median round (of an even count the middle worse for ours:
+ours' slower, the peer's faster), their ratio and every round's figures.
 """
 import argparse
 import dataclasses
@@ -324,15 +325,16 @@ def spread(figures: list) -> str:
 
 
 def row(combo: str, rounds: list) -> dict:
-    """A combination's record over its rounds: each side's round of median tokens/s (the lower
-    middle one of an even count), their ratio, and every round's figures."""
+    """A combination's record over its rounds: each side's round of median tokens/s, their ratio,
+    and every round's figures. Of an even count the middle that is worse for ours: ours' slower
+    one, the peer's faster one."""
     model, method, choices = parse(combo)
 
-    def median(side):
-        done = [r for r in side if "tokens_per_s" in r]
-        return sorted(done, key=lambda r: r["tokens_per_s"])[(len(done) - 1) // 2] if done else side[-1]
+    def median(side, upper):
+        done = sorted((r for r in side if "tokens_per_s" in r), key=lambda r: r["tokens_per_s"])
+        return done[len(done) // 2 if upper else (len(done) - 1) // 2] if done else side[-1]
 
-    o, p = median([r for r, _ in rounds]), median([q for _, q in rounds])
+    o, p = median([r for r, _ in rounds], upper=False), median([q for _, q in rounds], upper=True)
     out = {"combo": combo, "model": model, "method": method, **choices, "clip_norm": clip_norm(combo), "ours": o, "peer": p,
            "ours_tokens_per_s": [r["tokens_per_s"] for r, _ in rounds if "tokens_per_s" in r],
            "peer_tokens_per_s": [q["tokens_per_s"] for _, q in rounds if "tokens_per_s" in q]}
