@@ -96,9 +96,10 @@ for stage in "$@"; do
            else      # test i of the collection in process i % SHARDS, process g on GPU g % (the GPUs)
              python3 -m pytest -q -p no:cacheprovider --collect-only "${tests[@]}" | grep '::' > /tmp/ids
              gpus=$(nvidia-smi -L 2>/dev/null | grep -c GPU); gpus=$((gpus > 0 ? gpus : 1))
+             threads=$(($(nproc) / SHARDS)); threads=$((threads > 0 ? threads : 1))
              for g in $(seq 0 $((SHARDS - 1))); do
                mapfile -t ids < <(awk -v g=$g -v n=$SHARDS 'NR % n == g' /tmp/ids)
-               CUDA_VISIBLE_DEVICES=$((g % gpus)) OMP_NUM_THREADS=$(($(nproc) / SHARDS > 0 ? $(nproc) / SHARDS : 1)) \
+               CUDA_VISIBLE_DEVICES=$((g % gpus)) OMP_NUM_THREADS=$threads \
                  python3 -m pytest -q -p no:cacheprovider "${ids[@]}" > "$OUT/gpu-tests-$g.log" 2>&1 &
              done
              wait; tail -n 3 "$OUT"/gpu-tests-*.log
