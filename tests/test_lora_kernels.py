@@ -161,6 +161,9 @@ def test_products_through_parts():
         b = torch.randn(40, r, device=DEV)
         db, delta = L.reduce_tokens(g, parts), L.expand(parts, b, None, torch.float32)
         assert torch.equal(db, L.reduce_tokens(g, parts.contiguous()))
+        dbt = L.reduce_tokens(g, parts, transposed=True)
+        assert dbt.is_contiguous() and torch.equal(dbt, db.t())
+        assert torch.equal(L.reduce_tokens(g, parts, scale=2 / 3), db * (2 / 3))     # torch's product's bits
         assert torch.equal(delta, L.expand(parts.contiguous(), b, None, torch.float32))
         qd = q.double()
         close(db, g.double().t() @ qd, g.double().abs().t() @ qd.abs(), torch.float32)
@@ -204,3 +207,40 @@ def test_deltas_joined_to_decoded_products():
         assert ((out.double() - ref).abs() <= 2 ** -8 * ref.abs() + 2 ** -15 * ub + 1e-5 * scale).all()
     check_group(x, a_s, b_s, g_s, [w.dequantize().to(DEV, torch.bfloat16).double() for w in weights], outs,
                 torch.bfloat16, within_a_step)
+
+
+@pytest.mark.parametrize("kind", ["dense", "decoded"])
+def test_scales_as_torch_scales_b(kind):
+    """Each adapter's scale taken by the kernels that read B (and by the sum of dB's parts) gives
+    the bits of the scale multiplying B by torch first, forward and every gradient: on the delta
+    path (Dense bases) and with the deltas joined to decoded NF4 products (BF16)."""
+    if kind == "decoded" and INTERPRET:
+        pytest.skip("BF16 products: GPU only")
+    M, n_in, shapes = (300, 64, [(192, 8), (320, 16)]) if not INTERPRET else (37, 32, [(24, 8), (40, 16)])
+    dtype = torch.bfloat16 if kind == "decoded" else torch.float32
+    if kind == "decoded":
+        from aner.kernels.nf4 import DevicePacked
+        from aner.quant.module import NF4Module
+        from aner.quant.nf4 import NF4Weight
+        weights = [NF4Weight.quantize(torch.randn(n, n_in) * 0.05) for n, _ in shapes]
+        bases = [NF4Module(w, device_copy=DevicePacked.from_weight(w, DEV), decoded=True, kept=True) for w in weights]
+        assert L._joined(bases, torch.empty(M, n_in, device=DEV, dtype=dtype), dtype, [8, 16]) is not None
+    else:
+        bases = [frozen_base(n_in, n) for n, _ in shapes]
+    scales = [32 / 12, 32 / 8 ** 0.5]                             # LoRA's and rsLoRA's, not powers of two
+    x0 = torch.randn(M, n_in, device=DEV).to(dtype)
+    a0 = [torch.randn(r, n_in, device=DEV) / n_in ** 0.5 for _, r in shapes]
+    b0 = [torch.randn(n, r, device=DEV) * 0.1 for n, r in shapes]
+    g_s = [torch.randn(M, n, device=DEV).to(dtype) for n, _ in shapes]
+
+    def run(inside):
+        x, *ab = (t.clone().requires_grad_(True) for t in (x0, *a0, *b0))
+        a_s, b_s = ab[:len(shapes)], ab[len(shapes):]
+        if inside:
+            outs = L.adapted_projections(bases, x, a_s, b_s, scales)
+        else:
+            outs = L.adapted_projections(bases, x, a_s, [s * b for s, b in zip(scales, b_s)])
+        torch.autograd.backward(outs, g_s)
+        return [o.detach() for o in outs] + [t.grad for t in (x, *a_s, *b_s)]
+    inside, before = run(True), run(False)
+    assert len(inside) == 7 and all(torch.equal(p, q) for p, q in zip(inside, before))

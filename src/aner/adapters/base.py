@@ -85,17 +85,18 @@ def full_precision(x: torch.Tensor):
     return torch.autocast(x.device.type, enabled=False)
 
 
-def add_low_rank(base, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, fused: bool):
-    """base(x) + (x @ a^T) @ b^T in the base output's dtype, the products in a's dtype (FP32 in
-    models; float64 in gradient checks), for a frozen projection module `base`. `fused`: the GPU
-    kernels of kernels.lora (FP32, one rounding of each sum, the base inside); else torch ops (the
-    delta is rounded to the output's dtype, then added)."""
+def add_low_rank(base, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, fused: bool, scale: float = 1.0):
+    """base(x) + (x @ a^T) @ (scale * b)^T in the base output's dtype, the products in a's dtype
+    (FP32 in models; float64 in gradient checks), for a frozen projection module `base`. `fused`:
+    the GPU kernels of kernels.lora (FP32, one rounding of each sum, the base inside, the scale
+    applied as they read b); else torch ops (the delta is rounded to the output's dtype, then
+    added)."""
     if fused:
         from ..kernels.lora import adapted_projection
-        return adapted_projection(base, x, a, b)
+        return adapted_projection(base, x, a, b, scale)
     y = base(x)
     with full_precision(x):
-        delta = (x.to(a.dtype) @ a.t()) @ b.t()                  # (..., r) then (..., out)
+        delta = (x.to(a.dtype) @ a.t()) @ (scale * b).t()        # (..., r) then (..., out)
     return y + delta.to(y.dtype)
 
 

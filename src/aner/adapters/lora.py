@@ -36,7 +36,7 @@ class LoRALinear(nn.Module):
         # The scale multiplies B (out x r), not the (..., out) product: the same value up to
         # rounding (exactly the same bits when s is a power of two, as alpha = 2r is), without
         # a pass over the output in forward and backward.
-        return add_low_rank(self.base, x, self.lora_a, self.scale * self.lora_b, self.fused)
+        return add_low_rank(self.base, x, self.lora_a, self.lora_b, self.fused, self.scale)
 
     @staticmethod
     def joint(x, modules):
@@ -46,7 +46,7 @@ class LoRALinear(nn.Module):
             return tuple(m(x) for m in modules)
         from ..kernels.lora import adapted_projections
         return adapted_projections([m.base for m in modules], x, [m.lora_a for m in modules],
-                                   [m.scale * m.lora_b for m in modules])
+                                   [m.lora_b for m in modules], [m.scale for m in modules])
 
 
 class LoRA(Method):

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 from . import TARGET_PROGRAMS, joins_deltas
 from .fp32 import bf16_parts, fp32_dot, parts_dot, six_dot
@@ -62,11 +63,12 @@ class Tiles:
 
 
 @triton.jit
-def _project_kernel(p, w, out, copy, copy_rows, M, N, R, stride_wr, stride_wn, STEPS: tl.constexpr,
+def _project_kernel(p, w, out, copy, copy_rows, M, N, R, stride_wr, stride_wn, scale, STEPS: tl.constexpr,
                     BM: tl.constexpr, BN: tl.constexpr, RP: tl.constexpr, P_BF16: tl.constexpr,
-                    TC: tl.constexpr, COPY: tl.constexpr):
+                    TC: tl.constexpr, COPY: tl.constexpr, SCALED: tl.constexpr):
     """out[s] (M, R) FP32 = p (M, N) @ w^T over columns [s, s + 1) * STEPS * BN of N, for w (R, N)
-    given by its strides; COPY: p also written to `copy`'s rows, copy_rows apart."""
+    given by its strides (times `scale` when SCALED: `_scaled`); COPY: p also written to `copy`'s
+    rows, copy_rows apart."""
     offs_m = tl.program_id(0) * BM + tl.arange(0, BM)
     pid_s = tl.program_id(1)
     offs_r = tl.arange(0, RP)
@@ -82,17 +84,20 @@ def _project_kernel(p, w, out, copy, copy_rows, M, N, R, stride_wr, stride_wn, S
                      mask=m_mask[:, None] & n_mask[None, :])
         wt = tl.load(w + offs_r[None, :] * stride_wr + offs_n[:, None] * stride_wn,
                      mask=n_mask[:, None] & (offs_r < R)[None, :], other=0.0)       # (BN, RP)
+        if SCALED:
+            wt = _scaled(wt, scale)
         acc = fp32_dot(pt, wt, acc, P_BF16, TC)
     tl.store(out + pid_s.to(tl.int64) * M * R + offs_m.to(tl.int64)[:, None] * R + offs_r[None, :], acc,
              mask=m_mask[:, None] & (offs_r < R)[None, :])
 
 
 @triton.jit
-def _expand_kernel(q, w, base, out, M, N, R, q_plane, q_rows, stride_wn, stride_wr, STEPS: tl.constexpr,
+def _expand_kernel(q, w, base, out, M, N, R, q_plane, q_rows, stride_wn, stride_wr, scale, STEPS: tl.constexpr,
                    HAS_BASE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, RP: tl.constexpr,
-                   TC: tl.constexpr):
+                   TC: tl.constexpr, SCALED: tl.constexpr):
     """out (M, N) = base + q (M, R) @ w^T for q given by its three BF16 parts (planes q_plane
-    apart, rows q_rows apart) and w (N, R) by its strides; FP32, one rounding. Program (j, s)
+    apart, rows q_rows apart) and w (N, R) by its strides (times `scale` when SCALED:
+    `_scaled`); FP32, one rounding. Program (j, s)
     writes column tile j of row tiles [s, s + 1) * STEPS, loading its tile of w once."""
     offs_n = tl.program_id(0) * BN + tl.arange(0, BN)
     pid_s = tl.program_id(1)
@@ -101,6 +106,8 @@ def _expand_kernel(q, w, base, out, M, N, R, q_plane, q_rows, stride_wn, stride_
     r_mask = offs_r < R
     wt = tl.load(w + offs_r[:, None] * stride_wr + offs_n[None, :] * stride_wn,
                  mask=r_mask[:, None] & n_mask[None, :], other=0.0)                # (RP, BN)
+    if SCALED:
+        wt = _scaled(wt, scale)
     w_hi, w_mid, w_lo = bf16_parts(wt)
     for i in range(0, STEPS):
         offs_m = (pid_s * STEPS + i) * BM + tl.arange(0, BM)
@@ -133,6 +140,13 @@ def _whole(hi, mid, lo):
 
 
 @triton.jit
+def _scaled(w, scale):
+    """w * scale in FP32, rounded on its own (never fused with the subtraction that splits it into
+    parts): the bits of torch's product of an FP32 tensor and that float."""
+    return libdevice.mul_rn(w, scale)
+
+
+@triton.jit
 def _reduce_tokens_kernel(p, q, part, M, N, R, q_plane, q_rows, STEPS: tl.constexpr,
                           BM: tl.constexpr, BN: tl.constexpr, RP: tl.constexpr, P_BF16: tl.constexpr,
                           TC: tl.constexpr):
@@ -160,13 +174,14 @@ def _reduce_tokens_kernel(p, q, part, M, N, R, q_plane, q_rows, STEPS: tl.conste
 
 
 @triton.jit
-def _spread_kernel(b, out, N, R, stride_bn, stride_br, out_rows, BN: tl.constexpr, RP: tl.constexpr):
-    """out[n, p * R + c] (BF16, rows out_rows apart) = b[n, c]'s parts hi, hi, mid for p = 0, 1, 2:
-    a joined operand's columns for b (N, R) FP32, given by its strides."""
+def _spread_kernel(b, out, N, R, stride_bn, stride_br, out_rows, scale, BN: tl.constexpr, RP: tl.constexpr):
+    """out[n, p * R + c] (BF16, rows out_rows apart) = (scale * b[n, c])'s parts hi, hi, mid for
+    p = 0, 1, 2: a joined operand's columns for b (N, R) FP32, given by its strides."""
     offs_n = tl.program_id(0) * BN + tl.arange(0, BN)
     offs_r = tl.arange(0, RP)
     mask = (offs_n < N)[:, None] & (offs_r < R)[None, :]
-    hi, mid, _ = bf16_parts(tl.load(b + offs_n[:, None] * stride_bn + offs_r[None, :] * stride_br, mask=mask, other=0.0))
+    bt = tl.load(b + offs_n[:, None] * stride_bn + offs_r[None, :] * stride_br, mask=mask, other=0.0)
+    hi, mid, _ = bf16_parts(_scaled(bt, scale))
     at = out + offs_n.to(tl.int64)[:, None] * out_rows + offs_r[None, :]
     tl.store(at, hi, mask=mask)
     tl.store(at + R, hi, mask=mask)
@@ -197,8 +212,10 @@ def _parts(tiles: int, steps: int, split: int) -> tuple[int, int]:
 
 
 def project(p: torch.Tensor, w: torch.Tensor, tiles: Tiles | None = None,
-            parts: torch.Tensor | None = None, joined: tuple[torch.Tensor, int] | None = None) -> torch.Tensor:
-    """p (M, N) @ w^T -> (M, R) FP32, for w (R, N) FP32 (any strides); with `parts` ((3, M, R)
+            parts: torch.Tensor | None = None, joined: tuple[torch.Tensor, int] | None = None,
+            scale: float = 1.0) -> torch.Tensor:
+    """p (M, N) @ (scale * w)^T -> (M, R) FP32, for w (R, N) FP32 (any strides; scale * w rounded
+    as torch rounds it); with `parts` ((3, M, R)
     BF16, e.g. columns of wider planes), written there as its BF16 parts instead, the operand
     expand and reduce_tokens take. With `joined` (x', r_0) and parts: p and the parts also
     written into x' as `_joined` lays them out."""
@@ -210,9 +227,9 @@ def project(p: torch.Tensor, w: torch.Tensor, tiles: Tiles | None = None,
     copy = p if joined is None else joined[0][:, 3 * joined[1]:3 * joined[1] + N]
     if M:
         _project_kernel[(triton.cdiv(M, t.bm), split)](
-            p, w, part, copy, copy.stride(0), M, N, R, w.stride(0), w.stride(1), STEPS=per, BM=t.bm, BN=t.bn,
-            RP=_rank_tile(R), P_BF16=p.dtype == torch.bfloat16, TC=t.tc, COPY=joined is not None,
-            num_warps=t.warps, num_stages=t.stages)
+            p, w, part, copy, copy.stride(0), M, N, R, w.stride(0), w.stride(1), scale, STEPS=per, BM=t.bm,
+            BN=t.bn, RP=_rank_tile(R), P_BF16=p.dtype == torch.bfloat16, TC=t.tc, COPY=joined is not None,
+            SCALED=scale != 1.0, num_warps=t.warps, num_stages=t.stages)
     return sum_splits(part, parts=parts, joined=joined)
 
 
@@ -228,9 +245,10 @@ def _check_parts(q: torch.Tensor, M: int) -> int:
 
 
 def expand(q: torch.Tensor, w: torch.Tensor, base: torch.Tensor | None, dtype: torch.dtype,
-           tiles: Tiles | None = None) -> torch.Tensor:
-    """(base +) q (M, R) @ w^T -> (M, N) in `dtype`, for q given by its BF16 parts (3, M, R) (rows
-    of any stride, e.g. columns of wider planes) and w (N, R) FP32 (any strides)."""
+           tiles: Tiles | None = None, scale: float = 1.0) -> torch.Tensor:
+    """(base +) q (M, R) @ (scale * w)^T -> (M, N) in `dtype`, for q given by its BF16 parts
+    (3, M, R) (rows of any stride, e.g. columns of wider planes) and w (N, R) FP32 (any strides;
+    scale * w rounded as torch rounds it)."""
     M = q.shape[1]
     R = _check_parts(q, M)
     N = w.shape[0]
@@ -240,26 +258,32 @@ def expand(q: torch.Tensor, w: torch.Tensor, base: torch.Tensor | None, dtype: t
     if M:
         _expand_kernel[(triton.cdiv(N, t.bn), split)](
             q, w, q if base is None else base, out, M, N, R, q.stride(0), q.stride(1), w.stride(0), w.stride(1),
-            STEPS=per, HAS_BASE=base is not None, BM=t.bm, BN=t.bn, RP=_rank_tile(R), TC=t.tc,
-            num_warps=t.warps, num_stages=t.stages)
+            scale, STEPS=per, HAS_BASE=base is not None, BM=t.bm, BN=t.bn, RP=_rank_tile(R), TC=t.tc,
+            SCALED=scale != 1.0, num_warps=t.warps, num_stages=t.stages)
     return out
 
 
-def reduce_tokens(p: torch.Tensor, q: torch.Tensor, tiles: Tiles | None = None) -> torch.Tensor:
-    """p (M, N)^T @ q (M, R) -> (N, R) FP32, for q given by its BF16 parts (3, M, R) (rows of any
-    stride: `project` writes them, `to_parts` makes them), made once and loaded by every
-    program rather than split in each. The token dimension is split in a fixed number of parts
-    summed in order."""
+def reduce_tokens(p: torch.Tensor, q: torch.Tensor, tiles: Tiles | None = None, scale: float = 1.0,
+                  transposed: bool = False) -> torch.Tensor:
+    """scale * (p (M, N)^T @ q (M, R)) -> (N, R) FP32, or its transpose (R, N) when `transposed`
+    (a contiguous tensor either way), for q given by its BF16 parts (3, M, R) (rows of any stride:
+    `project` writes them, `to_parts` makes them), made once and loaded by every program rather
+    than split in each. The token dimension is split in a fixed number of parts summed in order;
+    the scale multiplies that sum (one more rounding: torch's product of the sum and the float)."""
     M, N = p.shape
     R = _check_parts(q, M)
     t = tiles or default_tiles("reduce_tokens", R)
     split, per = _parts(triton.cdiv(N, t.bn), triton.cdiv(M, t.bm), t.split)
-    part = torch.zeros(split, N, R, device=p.device, dtype=torch.float32)
-    if M:
+    part = (torch.empty if M else torch.zeros)(split, N, R, device=p.device, dtype=torch.float32)
+    if M:         # every program writes its part's tile: every element is written
         _reduce_tokens_kernel[(triton.cdiv(N, t.bn), split)](
             p, q, part, M, N, R, q.stride(0), q.stride(1), STEPS=per, BM=t.bm, BN=t.bn, RP=_rank_tile(R),
             P_BF16=p.dtype == torch.bfloat16, TC=t.tc, num_warps=t.warps, num_stages=t.stages)
-    return sum_splits(part)
+    if not transposed:
+        return sum_splits(part, scale=scale)
+    out = torch.empty(R, N, device=p.device, dtype=torch.float32)
+    sum_splits(part, out=out.t(), scale=scale)
+    return out
 
 
 def _stack(ts, dim):
@@ -298,14 +322,15 @@ def _joined(bases, x2d: torch.Tensor, dtype: torch.dtype, ranks) -> tuple[torch.
     return torch.empty(M, 3 * sum(ranks) + K, device=x2d.device, dtype=dtype), ranks[0]
 
 
-def _joined_product(base, i: int, wide: torch.Tensor, r0: int, b: torch.Tensor, dtype: torch.dtype):
-    """Base i's output through the joined operand x' (`_joined`) and its weight in `dtype`."""
+def _joined_product(base, i: int, wide: torch.Tensor, r0: int, b: torch.Tensor, scale: float, dtype: torch.dtype):
+    """Base i's output through the joined operand x' (`_joined`), for the adapter's scale * b, and
+    its weight in `dtype`."""
     N, R = b.shape
     left, right = (3 * R, 0) if i == 0 else (0, 3 * R)
     w = base.operand(dtype, left, right)                 # (N, left + K + right), the spare columns unwritten
     K = w.shape[1] - 3 * R
     block = w[:, :left] if left else w[:, K:]
-    _spread_kernel[(triton.cdiv(N, 64),)](b, block, N, R, b.stride(0), b.stride(1), block.stride(0), BN=64,
+    _spread_kernel[(triton.cdiv(N, 64),)](b, block, N, R, b.stride(0), b.stride(1), block.stride(0), scale, BN=64,
                                           RP=_rank_tile(R), num_warps=4)
     x = wide[:, :left + K] if left else wide[:, 3 * r0:]
     with torch.autocast(wide.device.type, enabled=False):
@@ -319,8 +344,10 @@ def _operand_dtype(x: torch.Tensor) -> torch.dtype:
 
 
 class _AdaptedProjections(torch.autograd.Function):
-    """y_i = base_i(x) + (x @ A_i^T) @ B_i^T for frozen bases that read one x; gradients for x and
-    every A_i and B_i.
+    """y_i = base_i(x) + (x @ A_i^T) @ (s_i B_i)^T for frozen bases that read one x; gradients for x
+    and every A_i and B_i. Each kernel that reads B_i multiplies it by the adapter's scale s_i as it
+    loads it, and the one that sums dB_i's parts multiplies the sum: the bits of s_i * B_i made by
+    torch and its product's backward, without a launch for either.
 
     A base whose product is a plain matrix product hands over its weight in the operand dtype
     (`operand(dtype)`: a dense weight's cast, or a whole decoded NF4 weight); its output is
@@ -338,7 +365,7 @@ class _AdaptedProjections(torch.autograd.Function):
     makes all their gradients from one read of x, and one expand makes the stacked du @ A."""
 
     @staticmethod
-    def forward(ctx, x2d, bases, track, *factors):
+    def forward(ctx, x2d, bases, track, scales, *factors):
         a_s, b_s = factors[:len(bases)], factors[len(bases):]
         dtype = _operand_dtype(x2d)
         xo = x2d.to(dtype)
@@ -347,14 +374,14 @@ class _AdaptedProjections(torch.autograd.Function):
         joined = _joined(bases, x2d, dtype, ctx.ranks)
         u = project(x2d, a, parts=_planes(x2d.shape[0], a.shape[0], x2d.device), joined=joined)  # (M, sum r_i), BF16 parts
         outs, kept, ctx.graphs = [], [], []
-        for i, (base, cols, b) in enumerate(zip(bases, _columns(ctx.ranks), b_s)):
+        for i, (base, cols, b, s) in enumerate(zip(bases, _columns(ctx.ranks), b_s, scales)):
             u_i = u[:, :, cols]
             if joined is not None:
-                out, w = _joined_product(base, i, *joined, b, dtype)
+                out, w = _joined_product(base, i, *joined, b, s, dtype)
             else:
                 w = base.operand(dtype)
                 if w is not None:
-                    out = expand(u_i, b, None, dtype)             # the delta; the GEMM adds x @ W^T
+                    out = expand(u_i, b, None, dtype, scale=s)    # the delta; the GEMM adds x @ W^T
                     with torch.autocast(x2d.device.type, enabled=False):
                         out.addmm_(xo, w.t())
             if w is not None:
@@ -365,7 +392,7 @@ class _AdaptedProjections(torch.autograd.Function):
                 with torch.enable_grad():
                     xb = x2d.detach().requires_grad_(track)
                     y = base(xb)                                  # (M, out_i), a fresh tensor
-                outs.append(expand(u_i, b, y.detach(), y.dtype))
+                outs.append(expand(u_i, b, y.detach(), y.dtype, scale=s))
                 kept.append(None)
                 ctx.graphs.append((xb, y))
                 if track:
@@ -373,7 +400,7 @@ class _AdaptedProjections(torch.autograd.Function):
             del w                                                 # before the next decode
         ctx.save_for_backward(x2d, a, u, *b_s, *(w for w in kept if w is not None))
         ctx.kept = [w is not None for w in kept]
-        ctx.bases, ctx.dtype = bases, dtype
+        ctx.bases, ctx.dtype, ctx.scales = bases, dtype, scales
         if not track:
             ctx.graphs = [None] * len(bases)
         return tuple(outs)
@@ -385,9 +412,9 @@ class _AdaptedProjections(torch.autograd.Function):
         x2d, a, u, *rest = ctx.saved_tensors
         b_s, kept = rest[:n], iter(rest[n:])
         gs = [g.contiguous() for g in gs]
-        du = _planes(x2d.shape[0], a.shape[0], x2d.device)       # (M, sum r_i): g_i @ B_i, as BF16 parts
-        for g, b, cols in zip(gs, b_s, _columns(ctx.ranks)):
-            project(g, b.t(), parts=du[:, :, cols])
+        du = _planes(x2d.shape[0], a.shape[0], x2d.device)       # (M, sum r_i): g_i @ s_i B_i, as BF16 parts
+        for g, b, cols, s in zip(gs, b_s, _columns(ctx.ranks), ctx.scales):
+            project(g, b.t(), parts=du[:, :, cols], scale=s)
         dx = None
         if needs[0]:
             # du @ A first when every base is a GEMM in x's dtype: each GEMM of the chain adds onto it
@@ -406,25 +433,27 @@ class _AdaptedProjections(torch.autograd.Function):
                 dx = expand(du, a.t(), dx, x2d.dtype)
         ctx.graphs = None
         da = [None] * n
-        if any(needs[3:3 + n]):                                   # (r_i, in) = du_i^T x
-            da = [d.t().contiguous() if need else None
-                  for d, need in zip(reduce_tokens(x2d, du).split(ctx.ranks, 1), needs[3:3 + n])]
-        db = [reduce_tokens(g, u[:, :, cols]) if need else None      # (out_i, r_i) = g_i^T u_i
-              for g, cols, need in zip(gs, _columns(ctx.ranks), needs[3 + n:])]
-        return dx, None, None, *da, *db
+        if any(needs[4:4 + n]):                                   # (r_i, in) = du_i^T x, rows of one tensor
+            da = [d if need else None
+                  for d, need in zip(reduce_tokens(x2d, du, transposed=True).split(ctx.ranks), needs[4:4 + n])]
+        db = [reduce_tokens(g, u[:, :, cols], scale=s) if need else None      # (out_i, r_i) = s_i g_i^T u_i
+              for g, cols, s, need in zip(gs, _columns(ctx.ranks), ctx.scales, needs[4 + n:])]
+        return dx, None, None, None, *da, *db
 
 
-def adapted_projections(bases, x: torch.Tensor, a_s, b_s) -> tuple[torch.Tensor, ...]:
-    """base_i(x) + (x @ a_i^T) @ b_i^T for each i, each in its base output's dtype: x (..., in) of
-    any float dtype, `bases` frozen projection modules (outputs (..., out_i), 2-D in and out along
-    the last dimension), a_i (r_i, in) and b_i (out_i, r_i) FP32 (b_i already carries its
-    adapter's scale)."""
+def adapted_projections(bases, x: torch.Tensor, a_s, b_s, scales=None) -> tuple[torch.Tensor, ...]:
+    """base_i(x) + (x @ a_i^T) @ (s_i b_i)^T for each i, each in its base output's dtype: x (..., in)
+    of any float dtype, `bases` frozen projection modules (outputs (..., out_i), 2-D in and out
+    along the last dimension), a_i (r_i, in) and b_i (out_i, r_i) FP32, s_i the floats `scales`
+    (the adapters' scales; default all 1)."""
     lead = x.shape[:-1]
     x2d = x.reshape(-1, x.shape[-1]).contiguous()
-    outs = _AdaptedProjections.apply(x2d, tuple(bases), torch.is_grad_enabled() and x.requires_grad, *a_s, *b_s)
+    scales = tuple(float(s) for s in scales) if scales is not None else (1.0,) * len(bases)
+    outs = _AdaptedProjections.apply(x2d, tuple(bases), torch.is_grad_enabled() and x.requires_grad, scales,
+                                     *a_s, *b_s)
     return tuple(out.reshape(*lead, out.shape[-1]) for out in outs)
 
 
-def adapted_projection(base, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+def adapted_projection(base, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
     """adapted_projections for one base."""
-    return adapted_projections((base,), x, (a,), (b,))[0]
+    return adapted_projections((base,), x, (a,), (b,), (scale,))[0]

@@ -8,13 +8,16 @@ from .fp32 import bf16_parts
 
 
 @triton.jit
-def _sum_splits_kernel(part, out, numel, cols, out_plane, out_rows, joined, joined_rows, left, right,
-                       SPLIT: tl.constexpr, BLOCK: tl.constexpr, PARTS: tl.constexpr, JOINED: tl.constexpr):
-    """The sum over s = 0, 1, .. SPLIT - 1 of part[s] (FP32, always in that order), written cast to
-    out, or with PARTS as its BF16 parts hi, mid, lo in three planes of out, out_plane apart.
-    part[s] holds rows of `cols` elements; out takes them out_rows apart. JOINED: the parts also
-    go to rows of `joined` (joined_rows apart) as hi, mid, hi in three blocks of their columns'
-    width: columns below `left` at 0, the others at `right` (`kernels.lora`'s joined operand)."""
+def _sum_splits_kernel(part, out, numel, cols, out_plane, out_rows, out_cols, scale, joined, joined_rows, left, right,
+                       SPLIT: tl.constexpr, BLOCK: tl.constexpr, PARTS: tl.constexpr, JOINED: tl.constexpr,
+                       SCALED: tl.constexpr):
+    """The sum over s = 0, 1, .. SPLIT - 1 of part[s] (FP32, always in that order), times `scale`
+    when SCALED, written cast to out, or with PARTS as its BF16 parts hi, mid, lo in three planes
+    of out, out_plane apart. part[s] holds rows of `cols` elements; out takes them out_rows apart
+    and their elements out_cols apart (not 1: a transposed out, without PARTS). JOINED: the parts
+    also go to rows of `joined` (joined_rows apart) as hi, mid, hi in three blocks of their
+    columns' width: columns below `left` at 0, the others at `right` (`kernels.lora`'s joined
+    operand)."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < numel
     ptr = part + offs
@@ -24,7 +27,9 @@ def _sum_splits_kernel(part, out, numel, cols, out_plane, out_rows, joined, join
         # wraps once split * M * out_cols reaches 2^31 (an explicit config with a large split).
         ptr += numel
         acc += tl.load(ptr, mask=mask, other=0.0)
-    at = out + (offs // cols) * out_rows + offs % cols
+    if SCALED:
+        acc = acc * scale                           # a product of its own: the launch fuses nothing
+    at = out + (offs // cols) * out_rows + (offs % cols) * out_cols
     if PARTS:
         hi, mid, lo = bf16_parts(acc)
         tl.store(at, hi, mask=mask)
@@ -43,9 +48,12 @@ def _sum_splits_kernel(part, out, numel, cols, out_plane, out_rows, joined, join
 
 
 def sum_splits(part: torch.Tensor, out: torch.Tensor | None = None,
-               parts: torch.Tensor | None = None, joined: tuple[torch.Tensor, int] | None = None) -> torch.Tensor:
-    """part (S, ...) FP32 -> out (...) = part[0] + part[1] + ... in that order (FP32 sums), cast
-    to out's dtype (FP32 when no out is given: a single part is returned as it is). With `parts`
+               parts: torch.Tensor | None = None, joined: tuple[torch.Tensor, int] | None = None,
+               scale: float = 1.0) -> torch.Tensor:
+    """part (S, ...) FP32 -> out (...) = part[0] + part[1] + ... in that order (FP32 sums), times
+    `scale` if it is not 1 (FP32, the bits of torch's product of the sum and that float), cast to
+    out's dtype (FP32 when no out is given: a single unscaled part is returned as it is); a 2-D
+    out may have any strides (e.g. a transposed view). With `parts`
     ((3, ...) BF16; for a 2-D sum, planes whose rows may have any stride, e.g. columns of wider
     planes) the sum is written there instead, as its exact BF16 parts (`fp32.bf16_parts`), and
     parts is returned. With `joined` (x' BF16 (M, ...) with unit column stride, and `left`, for
@@ -55,7 +63,7 @@ def sum_splits(part: torch.Tensor, out: torch.Tensor | None = None,
         assert out is None and parts.dtype == torch.bfloat16 and parts.shape == (3, *part.shape[1:])
         out = parts
     elif out is None:
-        if part.shape[0] == 1:
+        if part.shape[0] == 1 and scale == 1.0:
             return part[0]
         out = torch.empty(part.shape[1:], device=part.device, dtype=torch.float32)
     # Each element's sum is a chain of loads and adds: blocks small enough for TARGET_PROGRAMS
@@ -65,10 +73,10 @@ def sum_splits(part: torch.Tensor, out: torch.Tensor | None = None,
     numel, cols = part[0].numel(), part.shape[-1]
     plane = out[0] if parts is not None else out
     if plane.is_contiguous():
-        rows = cols
+        rows, step = cols, 1
     else:
-        assert plane.dim() == 2 and plane.stride(1) == 1
-        rows = plane.stride(0)
+        assert plane.dim() == 2 and (parts is None or plane.stride(1) == 1)
+        rows, step = plane.stride()
     if joined is not None:
         assert parts is not None and joined[0].dtype == torch.bfloat16 and joined[0].stride(1) == 1
         wide, left = joined
@@ -76,8 +84,8 @@ def sum_splits(part: torch.Tensor, out: torch.Tensor | None = None,
     if numel:
         block = min(1024, max(32, triton.next_power_of_2(triton.cdiv(numel, TARGET_PROGRAMS))))
         _sum_splits_kernel[(triton.cdiv(numel, block),)](
-            part, out, numel, cols, out.stride(0) if parts is not None else 0, rows,
+            part, out, numel, cols, out.stride(0) if parts is not None else 0, rows, step, scale,
             *((wide, wide.stride(0), left, right) if joined is not None else (out, 0, 0, 0)), SPLIT=part.shape[0],
-            BLOCK=block, PARTS=parts is not None, JOINED=joined is not None, num_warps=max(1, min(4, block // 128)),
-            enable_fp_fusion=False)
+            BLOCK=block, PARTS=parts is not None, JOINED=joined is not None, SCALED=scale != 1.0,
+            num_warps=max(1, min(4, block // 128)), enable_fp_fusion=False)
     return out
