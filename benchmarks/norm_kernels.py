@@ -69,8 +69,9 @@ def width(D: int) -> dict:
     part, old = one[2], torch.empty(D, device="cuda")
 
     def old_sum():
-        _sum_splits_kernel[(triton.cdiv(D, 1024),)](part, old, D, D, 0, D, old, 0, 0, 0, SPLIT=programs, BLOCK=1024,
-                                                    PARTS=False, JOINED=False, num_warps=4, enable_fp_fusion=False)
+        _sum_splits_kernel[(triton.cdiv(D, 1024),)](part, old, D, D, 0, D, 1, 1.0, old, 0, 0, 0, SPLIT=programs,
+                                                    BLOCK=1024, PARTS=False, JOINED=False, SCALED=False, num_warps=4,
+                                                    enable_fp_fusion=False)
     old_sum()
     return {"rows": ROWS, "width": D, "programs": programs, "step_rows_chosen": L._step_rows(bd),
             "bytes": ROWS * D * (2 + 4 + 4 + 4 + 2), "backward": steps, "frozen_weight": frozen,
