@@ -50,7 +50,8 @@ def group(M, K, rows, r=16):
     def joined():
         wide = torch.empty(M, 3 * a.shape[0] + K, device="cuda", dtype=torch.bfloat16)
         L.project(x, a, parts=planes, joined=(wide, r))
-        return [L._joined_product(base, i, wide, r, b, 1.0, torch.bfloat16)[0] for i, (base, b) in enumerate(zip(bases, bs))]
+        return [L._joined_product(base, i, wide, r, b, 1.0, torch.bfloat16)[0]
+                for i, (base, b) in enumerate(zip(bases, bs))]
 
     decoded = [base.operand(torch.bfloat16) for base in bases]
     out = timed({

@@ -2,7 +2,7 @@
 full-size FP32 intermediates.
 
 An adapter adds delta = u @ B^T with u = x @ A^T, where A is (r, in), B is (out, r) (for LoRA
-the scale is already applied to B) and r is small. Written with torch ops under a FP16/BF16
+its factor times the adapter's scale, which the kernels apply as they read it) and r is small. Written with torch ops under a FP16/BF16
 policy this converts x to FP32, writes delta as a (tokens, out) FP32 matrix, converts it and adds
 it, and backward does the same in reverse: about 16 bytes of traffic per output element each way,
 for 2 * r multiply-adds of work. Here three kernels cover forward and backward:
@@ -96,9 +96,9 @@ def _expand_kernel(q, w, base, out, M, N, R, q_plane, q_rows, stride_wn, stride_
                    HAS_BASE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, RP: tl.constexpr,
                    TC: tl.constexpr, SCALED: tl.constexpr):
     """out (M, N) = base + q (M, R) @ w^T for q given by its three BF16 parts (planes q_plane
-    apart, rows q_rows apart) and w (N, R) by its strides (times `scale` when SCALED:
-    `_scaled`); FP32, one rounding. Program (j, s)
-    writes column tile j of row tiles [s, s + 1) * STEPS, loading its tile of w once."""
+    apart, rows q_rows apart) and w (N, R) by its strides (times `scale` when SCALED: `_scaled`);
+    FP32, one rounding. Program (j, s) writes column tile j of row tiles [s, s + 1) * STEPS,
+    loading its tile of w once."""
     offs_n = tl.program_id(0) * BN + tl.arange(0, BN)
     pid_s = tl.program_id(1)
     offs_r = tl.arange(0, RP)
@@ -215,10 +215,9 @@ def project(p: torch.Tensor, w: torch.Tensor, tiles: Tiles | None = None,
             parts: torch.Tensor | None = None, joined: tuple[torch.Tensor, int] | None = None,
             scale: float = 1.0) -> torch.Tensor:
     """p (M, N) @ (scale * w)^T -> (M, R) FP32, for w (R, N) FP32 (any strides; scale * w rounded
-    as torch rounds it); with `parts` ((3, M, R)
-    BF16, e.g. columns of wider planes), written there as its BF16 parts instead, the operand
-    expand and reduce_tokens take. With `joined` (x', r_0) and parts: p and the parts also
-    written into x' as `_joined` lays them out."""
+    as torch rounds it); with `parts` ((3, M, R) BF16, e.g. columns of wider planes), written there
+    as its BF16 parts instead, the operand expand and reduce_tokens take. With `joined` (x', r_0)
+    and parts: p and the parts also written into x' as `_joined` lays them out."""
     M, N = p.shape
     R = w.shape[0]
     t = tiles or default_tiles("project", R)
