@@ -36,16 +36,19 @@ second kernel sums in order. Tiles and splits are fixed functions of the shapes:
 give the same bits on every run. The pure-torch reference is the unfused path in `aner.adapters`.
 """
 import itertools
+import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 
 from . import TARGET_PROGRAMS, joins_deltas
 from .fp32 import bf16_parts, fp32_dot, parts_dot, six_dot
 from .splits import sum_splits
+
+# Triton's CPU interpreter (tests) runs no PTX; its numpy product is rounded on its own anyway.
+_INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
 
 
 @dataclass(frozen=True)
@@ -142,8 +145,13 @@ def _whole(hi, mid, lo):
 @triton.jit
 def _scaled(w, scale):
     """w * scale in FP32, rounded on its own (never fused with the subtraction that splits it into
-    parts): the bits of torch's product of an FP32 tensor and that float."""
-    return libdevice.mul_rn(w, scale)
+    parts) and without flushing subnormals (libdevice's `mul_rn` compiles to mul.rn.ftz here): the
+    bits of torch's product of an FP32 tensor and that float."""
+    if _INTERPRETED:
+        return w * scale
+    else:
+        return tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=f,f,f", [w, scale], dtype=tl.float32,
+                                         is_pure=True, pack=1)
 
 
 @triton.jit
