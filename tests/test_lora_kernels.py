@@ -212,8 +212,9 @@ def test_deltas_joined_to_decoded_products():
 @pytest.mark.parametrize("kind", ["dense", "decoded"])
 def test_scales_as_torch_scales_b(kind):
     """Each adapter's scale taken by the kernels that read B (and by the sum of dB's parts) gives
-    the bits of the scale multiplying B by torch first, forward and every gradient: on the delta
-    path (Dense bases) and with the deltas joined to decoded NF4 products (BF16)."""
+    the bits of the scale multiplying B by torch first, forward and every gradient, subnormal
+    products and a negative zero included: on the delta path (Dense bases) and with the deltas
+    joined to decoded NF4 products (BF16)."""
     if kind == "decoded" and INTERPRET:
         pytest.skip("BF16 products: GPU only")
     M, n_in, shapes = (300, 64, [(192, 8), (320, 16)]) if not INTERPRET else (37, 32, [(24, 8), (40, 16)])
@@ -231,6 +232,8 @@ def test_scales_as_torch_scales_b(kind):
     x0 = torch.randn(M, n_in, device=DEV).to(dtype)
     a0 = [torch.randn(r, n_in, device=DEV) / n_in ** 0.5 for _, r in shapes]
     b0 = [torch.randn(n, r, device=DEV) * 0.1 for n, r in shapes]
+    b0[0][:, 0] = torch.randn(shapes[0][0], device=DEV) * 1e-39          # subnormal products kept, not flushed:
+    b0[0][0, 0] = -0.0                                                   # they alone make du's first column
     g_s = [torch.randn(M, n, device=DEV).to(dtype) for n, _ in shapes]
 
     def run(inside):
