@@ -1,7 +1,24 @@
 """FP32-accurate matrix products on the BF16 tensor cores, shared by the kernels whose policy
 wants FP32 products (adapter contractions, FP32 operands of the fused NF4 kernels). No TF32."""
+import os
+
 import triton
 import triton.language as tl
+
+# Triton's CPU interpreter (tests) runs no PTX; its numpy product is rounded on its own anyway.
+_INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
+
+
+@triton.jit
+def scaled(w, scale):
+    """w * scale in FP32, rounded on its own (never fused with an operation after it, e.g. the
+    subtraction that splits it into parts) and without flushing subnormals (libdevice's `mul_rn`
+    compiles to mul.rn.ftz here): the bits of torch's product of an FP32 tensor and that float."""
+    if _INTERPRETED:
+        return w * scale
+    else:
+        return tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=f,f,f", [w, scale], dtype=tl.float32,
+                                         is_pure=True, pack=1)
 
 
 @triton.jit

@@ -2,10 +2,11 @@
 full-size FP32 intermediates.
 
 An adapter adds delta = u @ B^T with u = x @ A^T, where A is (r, in), B is (out, r) (for LoRA
-its factor times the adapter's scale, which the kernels apply as they read it) and r is small. Written with torch ops under a FP16/BF16
-policy this converts x to FP32, writes delta as a (tokens, out) FP32 matrix, converts it and adds
-it, and backward does the same in reverse: about 16 bytes of traffic per output element each way,
-for 2 * r multiply-adds of work. Here three kernels cover forward and backward:
+its factor times the adapter's scale, which the kernels apply as they read it) and r is small.
+Written with torch ops under a FP16/BF16 policy this converts x to FP32, writes delta as a
+(tokens, out) FP32 matrix, converts it and adds it, and backward does the same in reverse: about
+16 bytes of traffic per output element each way, for 2 * r multiply-adds of work. Here three
+kernels cover forward and backward:
 
     project        (M, N) @ W^T -> (M, r)       u = x @ A^T;  du = g @ B  (u, du as BF16 parts)
     expand         (base +) (M, r) @ W^T -> (M, N)  delta = u @ B^T;  du @ A (each + a base's own, or not)
@@ -36,7 +37,6 @@ second kernel sums in order. Tiles and splits are fixed functions of the shapes:
 give the same bits on every run. The pure-torch reference is the unfused path in `aner.adapters`.
 """
 import itertools
-import os
 from dataclasses import dataclass
 
 import torch
@@ -44,11 +44,8 @@ import triton
 import triton.language as tl
 
 from . import TARGET_PROGRAMS, joins_deltas
-from .fp32 import bf16_parts, fp32_dot, parts_dot, six_dot
+from .fp32 import bf16_parts, fp32_dot, parts_dot, scaled, six_dot
 from .splits import sum_splits
-
-# Triton's CPU interpreter (tests) runs no PTX; its numpy product is rounded on its own anyway.
-_INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
 
 
 @dataclass(frozen=True)
@@ -70,8 +67,8 @@ def _project_kernel(p, w, out, copy, copy_rows, M, N, R, stride_wr, stride_wn, s
                     BM: tl.constexpr, BN: tl.constexpr, RP: tl.constexpr, P_BF16: tl.constexpr,
                     TC: tl.constexpr, COPY: tl.constexpr, SCALED: tl.constexpr):
     """out[s] (M, R) FP32 = p (M, N) @ w^T over columns [s, s + 1) * STEPS * BN of N, for w (R, N)
-    given by its strides (times `scale` when SCALED: `_scaled`); COPY: p also written to `copy`'s
-    rows, copy_rows apart."""
+    given by its strides (times `scale` when SCALED: `fp32.scaled`); COPY: p also written to
+    `copy`'s rows, copy_rows apart."""
     offs_m = tl.program_id(0) * BM + tl.arange(0, BM)
     pid_s = tl.program_id(1)
     offs_r = tl.arange(0, RP)
@@ -88,7 +85,7 @@ def _project_kernel(p, w, out, copy, copy_rows, M, N, R, stride_wr, stride_wn, s
         wt = tl.load(w + offs_r[None, :] * stride_wr + offs_n[:, None] * stride_wn,
                      mask=n_mask[:, None] & (offs_r < R)[None, :], other=0.0)       # (BN, RP)
         if SCALED:
-            wt = _scaled(wt, scale)
+            wt = scaled(wt, scale)
         acc = fp32_dot(pt, wt, acc, P_BF16, TC)
     tl.store(out + pid_s.to(tl.int64) * M * R + offs_m.to(tl.int64)[:, None] * R + offs_r[None, :], acc,
              mask=m_mask[:, None] & (offs_r < R)[None, :])
@@ -99,9 +96,9 @@ def _expand_kernel(q, w, base, out, M, N, R, q_plane, q_rows, stride_wn, stride_
                    HAS_BASE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, RP: tl.constexpr,
                    TC: tl.constexpr, SCALED: tl.constexpr):
     """out (M, N) = base + q (M, R) @ w^T for q given by its three BF16 parts (planes q_plane
-    apart, rows q_rows apart) and w (N, R) by its strides (times `scale` when SCALED: `_scaled`);
-    FP32, one rounding. Program (j, s) writes column tile j of row tiles [s, s + 1) * STEPS,
-    loading its tile of w once."""
+    apart, rows q_rows apart) and w (N, R) by its strides (times `scale` when SCALED:
+    `fp32.scaled`); FP32, one rounding. Program (j, s) writes column tile j of row tiles
+    [s, s + 1) * STEPS, loading its tile of w once."""
     offs_n = tl.program_id(0) * BN + tl.arange(0, BN)
     pid_s = tl.program_id(1)
     offs_r = tl.arange(0, RP)
@@ -110,7 +107,7 @@ def _expand_kernel(q, w, base, out, M, N, R, q_plane, q_rows, stride_wn, stride_
     wt = tl.load(w + offs_r[:, None] * stride_wr + offs_n[None, :] * stride_wn,
                  mask=r_mask[:, None] & n_mask[None, :], other=0.0)                # (RP, BN)
     if SCALED:
-        wt = _scaled(wt, scale)
+        wt = scaled(wt, scale)
     w_hi, w_mid, w_lo = bf16_parts(wt)
     for i in range(0, STEPS):
         offs_m = (pid_s * STEPS + i) * BM + tl.arange(0, BM)
@@ -140,18 +137,6 @@ def _load_parts(q, offs_m, offs_r, mask, q_plane, q_rows):
 def _whole(hi, mid, lo):
     """The FP32 value of three BF16 parts: their sum in this order is exact."""
     return (hi.to(tl.float32) + mid.to(tl.float32)) + lo.to(tl.float32)
-
-
-@triton.jit
-def _scaled(w, scale):
-    """w * scale in FP32, rounded on its own (never fused with the subtraction that splits it into
-    parts) and without flushing subnormals (libdevice's `mul_rn` compiles to mul.rn.ftz here): the
-    bits of torch's product of an FP32 tensor and that float."""
-    if _INTERPRETED:
-        return w * scale
-    else:
-        return tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=f,f,f", [w, scale], dtype=tl.float32,
-                                         is_pure=True, pack=1)
 
 
 @triton.jit
@@ -189,7 +174,7 @@ def _spread_kernel(b, out, N, R, stride_bn, stride_br, out_rows, scale, BN: tl.c
     offs_r = tl.arange(0, RP)
     mask = (offs_n < N)[:, None] & (offs_r < R)[None, :]
     bt = tl.load(b + offs_n[:, None] * stride_bn + offs_r[None, :] * stride_br, mask=mask, other=0.0)
-    hi, mid, _ = bf16_parts(_scaled(bt, scale))
+    hi, mid, _ = bf16_parts(scaled(bt, scale))
     at = out + offs_n.to(tl.int64)[:, None] * out_rows + offs_r[None, :]
     tl.store(at, hi, mask=mask)
     tl.store(at + R, hi, mask=mask)

@@ -4,7 +4,7 @@ import triton
 import triton.language as tl
 
 from . import TARGET_PROGRAMS
-from .fp32 import bf16_parts
+from .fp32 import bf16_parts, scaled
 
 
 @triton.jit
@@ -28,7 +28,7 @@ def _sum_splits_kernel(part, out, numel, cols, out_plane, out_rows, out_cols, sc
         ptr += numel
         acc += tl.load(ptr, mask=mask, other=0.0)
     if SCALED:
-        acc = acc * scale                           # a product of its own: the launch fuses nothing
+        acc = scaled(acc, scale)
     at = out + (offs // cols) * out_rows + (offs % cols) * out_cols
     if PARTS:
         hi, mid, lo = bf16_parts(acc)
