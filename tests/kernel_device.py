@@ -1,4 +1,5 @@
-"""Where the Triton kernel tests run: a CUDA device, or the CPU under Triton's interpreter.
+"""Where the Triton kernel tests run: a CUDA device, or the CPU under Triton's interpreter
+(`make test` runs them there with the Triton it pins).
 
 The interpreter of Triton 3.6 needs numpy < 2.4: it makes a Python int of a one-element array for
 a loop bound computed in a kernel (the attention's), which numpy 2.4 refuses (TypeError: only
@@ -13,8 +14,7 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def device_or_skip() -> str:
-    """'cuda', or 'cpu' under TRITON_INTERPRET=1; skips the calling test module otherwise (CI has
-    neither a GPU nor Triton)."""
+    """'cuda', or 'cpu' under TRITON_INTERPRET=1; skips the calling test module otherwise."""
     if importlib.util.find_spec("triton") is None:
         pytest.skip("Triton is not installed", allow_module_level=True)
     if not (torch.cuda.is_available() or INTERPRET):

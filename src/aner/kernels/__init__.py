@@ -15,7 +15,7 @@ def joins_deltas(dtype: torch.dtype, ranks) -> bool:
 def fused_available() -> bool:
     """True when the fused NF4 kernels (aner.kernels.nf4) can run: a CUDA device and Triton.
 
-    Triton is imported here, on demand, never when aner is imported (CI has no Triton).
+    Triton is imported here, on demand, never when aner is imported (a CPU install needs no Triton).
     """
     if not torch.cuda.is_available():
         return False
