@@ -1,5 +1,9 @@
 """GPU kernels, each beside the pure-torch reference it is tested against."""
+import os
+
 import torch
+
+INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"    # Triton's CPU interpreter (tests)
 
 FLOATS = (torch.float32, torch.float16, torch.bfloat16)    # the operand dtypes every kernel takes
 TARGET_PROGRAMS = 264    # what a launch splitting its work aims at: two programs a multiprocessor (H200)

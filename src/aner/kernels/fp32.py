@@ -1,12 +1,12 @@
 """FP32-accurate matrix products on the BF16 tensor cores, shared by the kernels whose policy
 wants FP32 products (adapter contractions, FP32 operands of the fused NF4 kernels). No TF32."""
-import os
-
 import triton
 import triton.language as tl
 
-# Triton's CPU interpreter (tests) runs no PTX; its numpy product is rounded on its own anyway.
-_INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
+from . import INTERPRETING
+
+# Triton's CPU interpreter runs no PTX; its numpy product is rounded on its own anyway.
+_INTERPRETED = tl.constexpr(INTERPRETING)
 
 
 @triton.jit

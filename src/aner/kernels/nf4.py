@@ -37,7 +37,6 @@ order (split-K partials are reduced by a second kernel in split order; cuBLAS ru
 library's deterministic policy), and the tile configuration is a fixed function of (M, N, K,
 dtype), so the same inputs give bitwise identical outputs on every run.
 """
-import os
 from dataclasses import dataclass
 
 import torch
@@ -47,14 +46,13 @@ import triton.language as tl
 from ..errors import ConfigError
 from ..quant.nf4 import (ABSMAX_BLOCK, DYNAMIC8_CODEBOOK, NF4_BLOCK, NF4_CODEBOOK, NF4Weight, pack_nibbles,
                          unpack_nibbles)
-from . import FLOATS
+from . import FLOATS, INTERPRETING
 from .fp32 import fp32_dot
 from .splits import sum_splits
 
 # The kernels shift instead of dividing: flat >> 6 is the NF4 block, block >> 8 its scale.
 assert NF4_BLOCK == 64 and ABSMAX_BLOCK == 256
 
-INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"    # Triton's CPU interpreter (tests)
 MULTIPROCESSORS = 132   # H200/H100 SXM: split-K aims at one wave of >= this many programs
 
 
