@@ -102,7 +102,8 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--q4", metavar="OUT.gguf", help="merged and quantized to q4_0 (gen.quantize_model)")
     c.add_argument("--adapter", metavar="DIR", help="llama.cpp LoRA adapter folder (model.save_adapter)")
     c.add_argument("--peft", metavar="DIR", help="PEFT LoRA adapter folder (model.save_peft_adapter)")
-    c.add_argument("--ollama", action="store_true", help="also write an Ollama Modelfile beside the q4 (else merged) GGUF")
+    c.add_argument("--ollama", action="store_true",
+                   help="also write an Ollama Modelfile beside the q4 (else merged) GGUF")
     c.add_argument("--device", default="cpu")
     c.add_argument("--max-memory-bytes", type=int, default=4 << 30)
     return p

@@ -159,8 +159,8 @@ def read_checkpoint(path, device: str, budget: int):
         if tuple(w.shape) != shapes.get(name):
             raise FormatError(f"checkpoint tensor {name!r} has shape {tuple(w.shape)}; expected {shapes.get(name)}")
     if set(weights) != set(shapes):
-        raise FormatError(f"checkpoint weights do not match the model's tensors: "
-                          f"missing {sorted(set(shapes) - set(weights))[:5]}, extra {sorted(set(weights) - set(shapes))[:5]}")
+        raise FormatError(f"checkpoint weights do not match the model's tensors: missing "
+                          f"{sorted(set(shapes) - set(weights))[:5]}, extra {sorted(set(weights) - set(shapes))[:5]}")
     method, adapter = None, {}
     if manifest["adapter"] is not None:
         a = manifest["adapter"]
@@ -181,7 +181,8 @@ def read_checkpoint(path, device: str, budget: int):
                            LossScale(**manifest["loss_scale"]))
     return PretrainedModel(
         source=source, device=device, budget=budget,
-        weights={n: w.to(device) if isinstance(w, torch.Tensor) else w for n, w in weights.items()},  # NF4 stays on the host
+        # NF4 weights stay on the host
+        weights={n: w.to(device) if isinstance(w, torch.Tensor) else w for n, w in weights.items()},
         storage=manifest["storage"], method=method, adapter_tensors={n: t.to(device) for n, t in adapter.items()},
         state=state, lineage=manifest["lineage"], lineage_examples=manifest["lineage_examples"], profile=profile)
 

@@ -2,8 +2,9 @@
 
 Reading and writing are our own small implementation of the format (gguf-py's reader spends
 seconds building per-token metadata objects; tests check both against gguf-py). Every failure of a
-malformed file becomes a `FormatError`; gguf-py supplies the type tables and dequantization. Tensors keep torch's shape order (rows first): GGUF stores `ne = [in, out]` and the
-reader already reverses it, so a projection weight reads as (out, in) like `nn.Linear.weight`.
+malformed file becomes a `FormatError`; gguf-py supplies the type tables and dequantization.
+Tensors keep torch's shape order (rows first): GGUF stores `ne = [in, out]` and the reader
+already reverses it, so a projection weight reads as (out, in) like `nn.Linear.weight`.
 """
 import shutil
 import struct

@@ -116,7 +116,8 @@ class _Rope(torch.autograd.Function):
             dv.copy_(gv)
         else:
             dq, dk, dv = torch.empty_like(gq, dtype=ctx.dtypes[0]), torch.empty_like(gk, dtype=ctx.dtypes[1]), gv
-        return _rope_launch(gq, cos, sin, dq, backward=True), _rope_launch(gk, cos, sin, dk, backward=True), dv, None, None
+        return (_rope_launch(gq, cos, sin, dq, backward=True), _rope_launch(gk, cos, sin, dk, backward=True), dv,
+                None, None)
 
 
 def _check_rope(name, x, cos, sin):

@@ -364,7 +364,8 @@ class _AdaptedProjections(torch.autograd.Function):
         a = _stack(a_s, 0)                                        # (sum r_i, in)
         ctx.ranks = [t.shape[0] for t in a_s]
         joined = _joined(bases, x2d, dtype, ctx.ranks)
-        u = project(x2d, a, parts=_planes(x2d.shape[0], a.shape[0], x2d.device), joined=joined)  # (M, sum r_i), BF16 parts
+        # (M, sum r_i) as its BF16 parts
+        u = project(x2d, a, parts=_planes(x2d.shape[0], a.shape[0], x2d.device), joined=joined)
         outs, kept, ctx.graphs = [], [], []
         for i, (base, cols, b, s) in enumerate(zip(bases, _columns(ctx.ranks), b_s, scales)):
             u_i = u[:, :, cols]

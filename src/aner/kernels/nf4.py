@@ -728,7 +728,8 @@ def fused_nf4_linear(x: torch.Tensor, packed: DevicePacked, decoded: bool = Fals
     _check_packed(packed)
     N, K = packed.shape
     if not isinstance(x, torch.Tensor) or x.dtype not in FLOATS:
-        raise ConfigError(f"x must be a float32, float16 or bfloat16 tensor, got {getattr(x, 'dtype', type(x).__name__)}")
+        raise ConfigError("x must be a float32, float16 or bfloat16 tensor, got "
+                          f"{getattr(x, 'dtype', type(x).__name__)}")
     if x.dim() == 0 or x.shape[-1] != K:
         raise ConfigError(f"x of shape {tuple(x.shape)} does not end in in_features={K} of a {packed.shape} weight")
     x2d = x.reshape(-1, K).contiguous()                               # (M, K), M = prod(x.shape[:-1])

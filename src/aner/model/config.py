@@ -69,7 +69,7 @@ class LlamaConfig:
         n_head = gguf.get("llama.attention.head_count")
         dim = gguf.get("llama.embedding_length")
         n_kv = gguf.get("llama.attention.head_count_kv", n_head)
-        if isinstance(n_head, list) or isinstance(n_kv, list) or isinstance(gguf.get("llama.feed_forward_length"), list):
+        if any(isinstance(v, list) for v in (n_head, n_kv, gguf.get("llama.feed_forward_length"))):
             raise UnsupportedModelError("per-layer head counts or feed-forward sizes are not supported")
         head_dim = dim // n_head if n_head else 0
         rope_dims = gguf.get("llama.rope.dimension_count", head_dim)

@@ -446,8 +446,9 @@ class PretrainedModel:
         self._check_data(training, validation)
         if training.sha256() != self._state.training_sha256 or validation.sha256() != self._state.validation_sha256:
             raise ConfigError("resume needs the run's exact data: training sha256 "
-                              f"{self._state.training_sha256[:12]}…, validation {self._state.validation_sha256[:12]}…; "
-                              "got other data (changing data starts a new fine_tune run)")
+                              f"{self._state.training_sha256[:12]}…, validation "
+                              f"{self._state.validation_sha256[:12]}…; got other data (changing data starts a "
+                              "new fine_tune run)")
         return self._state, steps
 
     def _train(self, training, validation, state, steps, progress, on_update=None) -> "PretrainedModel":

@@ -423,9 +423,11 @@ def nf4_linear(x: torch.Tensor, weight: NF4Weight, tile_bytes: int = DEFAULT_TIL
     if isinstance(tile_bytes, bool) or not isinstance(tile_bytes, int) or tile_bytes < 1:
         raise ConfigError(f"tile_bytes={tile_bytes!r} must be a positive int")
     if not isinstance(x, torch.Tensor) or x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
-        raise ConfigError(f"x must be a float32, float16 or bfloat16 tensor, got {getattr(x, 'dtype', type(x).__name__)}")
+        raise ConfigError("x must be a float32, float16 or bfloat16 tensor, got "
+                          f"{getattr(x, 'dtype', type(x).__name__)}")
     rows, cols = weight.shape
     if x.dim() == 0 or x.shape[-1] != cols:
-        raise ConfigError(f"x of shape {tuple(x.shape)} does not end in in_features={cols} of a ({rows}, {cols}) weight")
+        raise ConfigError(f"x of shape {tuple(x.shape)} does not end in in_features={cols} of a "
+                          f"({rows}, {cols}) weight")
     y = _NF4Linear.apply(x.reshape(-1, cols), weight, tile_bytes)
     return y.reshape(*x.shape[:-1], rows)
