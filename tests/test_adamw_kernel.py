@@ -2,7 +2,7 @@
 
 On a CUDA device the oracle is `torch._fused_adamw_` itself, which the optimizer used before;
 under Triton's interpreter (TRITON_INTERPRET=1, numpy arithmetic, whose fma rounds twice) it is
-the same formula written in FP32 numpy. Skips otherwise (`make test` runs it again under the interpreter).
+the same formula written in FP32 numpy. Skips otherwise; `make test` runs it under the interpreter.
 """
 import numpy as np
 import pytest

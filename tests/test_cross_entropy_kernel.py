@@ -1,8 +1,8 @@
 """Fused cross-entropy kernel (aner.kernels.cross_entropy) against float64 torch.
 
 Runs on a CUDA device, or on the CPU under Triton's interpreter (TRITON_INTERPRET=1) with fewer
-shapes; skips otherwise (`make test` runs it again under the interpreter). Oracle: F.cross_entropy in float64,
-reduction="sum", and scale times its autograd gradient, from the same logit values.
+shapes; skips otherwise (`make test` runs it under the interpreter). Oracle: F.cross_entropy in
+float64, reduction="sum", and scale times its autograd gradient, from the same logit values.
 Tolerances: loss relative 1e-6 (FP32 accumulation only); gradient 1e-6 * scale (FP32 error),
 plus for FP16/BF16 half an ulp of the dtype (one rounding) down to its subnormal range.
 """

@@ -1,7 +1,7 @@
 """Fused NF4 Triton kernels (aner.kernels.nf4) against the pure-torch references.
 
 Runs on a CUDA device, or on the CPU under Triton's interpreter (TRITON_INTERPRET=1) with a
-reduced grid of small shapes; skips otherwise (`make test` runs it again under the interpreter).
+reduced grid of small shapes; skips otherwise (`make test` runs it under the interpreter).
 Oracle: float64 matmul of NF4Weight.dequantize(); embedding rows bit-exact vs dequantize_rows.
 Tolerances, relative to |x| @ |W|^T (resp. |g| @ |W|): FP32 1e-5, FP16 2e-3, BF16 1e-2 (the
 weight is rounded to the input dtype and the output is rounded once; accumulation is FP32).

@@ -1,7 +1,7 @@
 """Fused RoPE, RMSNorm and SwiGLU kernels (aner.kernels.layer) against the model's torch expressions.
 
 Runs on a CUDA device, or on the CPU under Triton's interpreter (TRITON_INTERPRET=1) with small
-shapes; skips otherwise (`make test` runs it again under the interpreter).
+shapes; skips otherwise (`make test` runs it under the interpreter).
 rope: forward and gradient bit-exact vs torch autograd through `apply_rope(x, cos, sin).to(dtype)`;
 gradients of q, k and v from one product laid side by side as the product's output.
 rms_norm: vs float64 autograd of RMSNorm's expression. y within 1e-6 (FP32), 1e-3 (FP16), 8e-3

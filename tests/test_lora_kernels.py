@@ -1,8 +1,9 @@
 """Fused low-rank adapter kernels (aner.kernels.lora) against float64 references.
 
 Runs on a CUDA device, or on the CPU under Triton's interpreter (TRITON_INTERPRET=1) with small
-shapes; skips otherwise (`make test` runs it again under the interpreter). Tolerances are relative to the sum of
-absolute products (FP32 sums: 1e-5), plus the output's own rounding for FP16/BF16 outputs.
+shapes; skips otherwise (`make test` runs it under the interpreter). Tolerances are relative to
+the sum of absolute products (FP32 sums: 1e-5), plus the output's own rounding for FP16/BF16
+outputs.
 """
 import dataclasses
 
