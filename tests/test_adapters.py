@@ -104,7 +104,8 @@ def test_selection_forms_and_defaults(base):
     # a target list alone, and the complete configuration positionally
     assert base.lora_fa(["attention.k_proj"])._method.config.targets == ("blk.0.attn_k.weight", "blk.1.attn_k.weight")
     c = base.lora_fa(["blk.1.ffn_up.weight"], 4, 8.0, 3)._method.config
-    assert (c.method, c.targets, c.rank, c.alpha, c.seed, c.scale) == ("lora_fa", ("blk.1.ffn_up.weight",), 4, 8.0, 3, 2.0)
+    assert (c.method, c.targets, c.rank, c.alpha, c.seed, c.scale) == \
+        ("lora_fa", ("blk.1.ffn_up.weight",), 4, 8.0, 3, 2.0)
     c = base.tinylora(["mlp.down_proj"], 4, 7, 3, "per_target")._method.config
     assert (c.targets, c.rank, c.parameters, c.seed, c.sharing) == (
         ("blk.0.ffn_down.weight", "blk.1.ffn_down.weight"), 4, 7, 3, "per_target")

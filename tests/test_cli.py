@@ -267,7 +267,8 @@ def test_check_refuses_combinations_and_overrides_report_their_origin(tmp_path, 
     done = cli("check", full, "--set", "training.steps=0", "--set", "model.device=gpu")
     problems = done.stderr.splitlines()[1:]
     assert done.returncode == 2 and len(problems) == 7, done.stderr
-    assert any(f":{line_of(text, 'rank')}: [method] rank: full fine-tuning takes no method arguments" in p for p in problems)
+    expected = f":{line_of(text, 'rank')}: [method] rank: full fine-tuning takes no method arguments"
+    assert any(expected in p for p in problems)
     assert any(f":{line_of(text, 'adapter')}: [output] adapter: a full fine-tune has no adapter" in p for p in problems)
     assert any("[output] peft: a full fine-tune has no adapter" in p for p in problems)
     assert any("[output] peft: 'm.gguf' is already the name of another output" in p for p in problems)
@@ -303,7 +304,8 @@ def test_ctrl_c_publishes_a_checkpoint_that_resumes_exactly(tmp_path, tiny, cli)
             proc.kill()
         os.close(master)
     shown = shown.decode(errors="replace")
-    assert re.search(r"training: +0%\|.*\| *\d+/100000 \[[\d:]+<[\d:]+,[^,]*, loss=\d+\.\d{4}, tok_s=\d+\]", shown), shown
+    bar = r"training: +0%\|.*\| *\d+/100000 \[[\d:]+<[\d:]+,[^,]*, loss=\d+\.\d{4}, tok_s=\d+\]"
+    assert re.search(bar, shown), shown
     assert "stopping at the next update boundary" in shown and "resumes exactly" in shown
     assert "result.model().checkpoint(" in shown and "model.save_model" not in shown
     updates, final = metrics(tmp_path / "run")

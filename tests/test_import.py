@@ -106,16 +106,20 @@ def _field(key, value, t=U32):
 
 
 REFUSALS = [
-    ("architecture", dict(fields=_field("general.architecture", "qwen2", GGUFValueType.STRING)), "architecture='qwen2'"),
+    ("architecture", dict(fields=_field("general.architecture", "qwen2", GGUFValueType.STRING)),
+     "architecture='qwen2'"),
     ("missing key", dict(drop=("llama.block_count",)), "llama.block_count"),
     ("kv divisibility", dict(fields=_field("llama.attention.head_count_kv", 3)), "not divisible by head_count_kv=3"),
-    ("rope scaling", dict(fields=_field("llama.rope.scaling.type", "yarn", GGUFValueType.STRING)), "scaling.type='yarn'"),
+    ("rope scaling", dict(fields=_field("llama.rope.scaling.type", "yarn", GGUFValueType.STRING)),
+     "scaling.type='yarn'"),
     ("partial rope", dict(fields=_field("llama.rope.dimension_count", 8)), "dimension_count=8"),
     ("unknown tensor", dict(tensors={"rope_freqs.weight": np.ones(8, np.float32)}), "'rope_freqs.weight'"),
-    ("missing tensor", dict(tensors=lambda n, a: None if n == "blk.1.ffn_up.weight" else a), "'blk.1.ffn_up.weight' is missing"),
-    ("shape", dict(tensors=lambda n, a: a[:-1] if n == "blk.0.attn_k.weight" else a), "'blk.0.attn_k.weight' has shape (31, 64)"),
-    ("non-finite", dict(tensors=lambda n, a: np.where(np.arange(a.size).reshape(a.shape) == 5, np.nan, a).astype(a.dtype)
-                        if n == "blk.0.attn_q.weight" else a), "non-finite"),
+    ("missing tensor", dict(tensors=lambda n, a: None if n == "blk.1.ffn_up.weight" else a),
+     "'blk.1.ffn_up.weight' is missing"),
+    ("shape", dict(tensors=lambda n, a: a[:-1] if n == "blk.0.attn_k.weight" else a),
+     "'blk.0.attn_k.weight' has shape (31, 64)"),
+    ("non-finite", dict(tensors=lambda n, a: np.where(np.arange(a.size).reshape(a.shape) == 5, np.nan, a)
+                        .astype(a.dtype) if n == "blk.0.attn_q.weight" else a), "non-finite"),
 ]
 
 

@@ -91,7 +91,8 @@ def test_plans_validate_when_created(base, data, tmp_path):
     with pytest.raises(ConfigError, match="every=4 publishes no checkpoint in this plan's updates 1..3"):
         plan.checkpoints(directory=tmp_path, every=4)
     scheduled = plan.checkpoints(directory=tmp_path, every=2)
-    assert plan.directory is None and scheduled.every == 2 and f"checkpoints='{tmp_path}' every 2" in scheduled.summary()
+    assert plan.directory is None and scheduled.every == 2
+    assert f"checkpoints='{tmp_path}' every 2" in scheduled.summary()
 
 
 # ---- running, observing, stopping ------------------------------------------------------------

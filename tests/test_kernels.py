@@ -137,7 +137,8 @@ def test_decode_is_exact_for_every_code_byte(double_quant, dtype, lut):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("double_quant", [False, True], ids=["plain", "dq"])
-@pytest.mark.parametrize("shape", [*SHAPES, "every code byte"], ids=lambda s: s if isinstance(s, str) else f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("shape", [*SHAPES, "every code byte"],
+                         ids=lambda s: s if isinstance(s, str) else f"{s[0]}x{s[1]}")
 def test_whole_weight_decode_is_exact(shape, double_quant, dtype):
     """nf4_decode writes NF4Weight.dequantize() rounded to the dtype, bit for bit: the fast
     decode (K % 64 == 0) and the general one, partial tiles and blocks across rows; with columns
@@ -177,7 +178,8 @@ def test_decoded_linear_is_the_dense_product_of_the_decoded_weight(shape, dtype)
     assert torch.equal(x.grad, ref_x.grad)
 
 
-@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"{c.bm}x{c.bn}x{c.bk}s{c.split}l{c.lut}w{int(c.swap)}t{int(c.tc)}")
+@pytest.mark.parametrize("config", CONFIGS,
+                         ids=lambda c: f"{c.bm}x{c.bn}x{c.bk}s{c.split}l{c.lut}w{int(c.swap)}t{int(c.tc)}")
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", [(64, 100), (96, 192)], ids=lambda s: f"{s[0]}x{s[1]}")
 def test_explicit_configs(config, dtype, shape):
@@ -213,8 +215,8 @@ else:
     PARTIAL = [((576, 576), 1000), ((1823, 781), 1000), ((1823, 781), 7), ((3, 130), 1000)]
 
 
-@pytest.mark.parametrize("pair", FAST_PAIRS, ids=lambda p: "-".join(f"{c.bm}x{c.bn}x{c.bk}w{c.num_warps}{'-swap' * c.swap}-split{c.split}"
-                                                                     for c in p))
+@pytest.mark.parametrize("pair", FAST_PAIRS, ids=lambda p: "-".join(
+    f"{c.bm}x{c.bn}x{c.bk}w{c.num_warps}{'-swap' * c.swap}-split{c.split}" for c in p))
 @pytest.mark.parametrize("dtype", [d for d in DTYPES if d != torch.float32], ids=str)
 @pytest.mark.parametrize("double_quant", [False, True], ids=["plain", "dq"])
 @pytest.mark.parametrize("shape_m", PARTIAL, ids=lambda s: f"{s[0][0]}x{s[0][1]}-M{s[1]}")

@@ -268,7 +268,7 @@ def test_qlora_equals_lora_on_the_dequantized_base(untied, data, select):
     assert np.abs(packed.logits(toks) - decoded(packed).logits(toks)).max() <= 1e-5
 
     def rel(a, b):
-        num = sum(float((a._adapter_tensors[k] - b._adapter_tensors[k]).double().pow(2).sum()) for k in b._adapter_tensors)
+        num = sum(float((a._adapter_tensors[k] - t).double().pow(2).sum()) for k, t in b._adapter_tensors.items())
         return (num / sum(float(t.double().pow(2).sum()) for t in b._adapter_tensors.values())) ** 0.5
 
     assert q._adapter_tensors.keys() == d._adapter_tensors.keys()

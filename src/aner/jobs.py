@@ -50,7 +50,6 @@ from .errors import AnerError, ArtifactError, ConfigError, ResourceError
 
 MAX_WAITING = 64          # queued jobs the executor holds besides the running one
 MAX_REQUESTS = 8          # pending manual checkpoint requests per job
-STATUSES = ("queued", "running", "completed", "stopped", "failed")
 
 
 class JobTimeoutError(AnerError, TimeoutError):
