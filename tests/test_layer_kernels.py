@@ -70,10 +70,12 @@ def test_rope_bit_exact(shape, dtype, same_out, layout):
     torch.autograd.backward([got_q, got_k], gs)
 
     assert torch.equal(got_v, v) and got_v.data_ptr() == v.data_ptr()
+
+    def strides(t):             # of the dimensions longer than 1
+        return [s for s, k in zip(t.stride(), t.shape) if k > 1]
+
     for got, w, p, leaf in zip((got_q, got_k), want, ps, leaves):
         assert got.dtype == out_dtype and got.shape == (B, n, T, E)
-        def strides(t):
-            return [s for s, k in zip(t.stride(), t.shape) if k > 1]
         assert strides(got) == strides(w)
         assert torch.equal(got, w), f"{(got != w).sum().item()} of {got.numel()} outputs differ"
         assert p.grad.dtype == dtype
