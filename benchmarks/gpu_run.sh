@@ -4,7 +4,9 @@
 #   tests       the GPU tests: test_gpu.py and the kernels' (GPU_TESTS below) -> gpu-tests.log
 #               (TESTS="pytest arguments" narrows it; quotes inside it are honoured:
 #               TESTS="tests/test_kernels.py -k 'fast or exact'"; SHARDS=n: n processes, process g on
-#               GPU g % (the GPUs), test i of the collection in process i % n -> gpu-tests-<i>.log)
+#               GPU g % (the GPUs), test i of the collection in process i % n -> gpu-tests-<i>.log),
+#               then benchmarks/wait_first.py over every kernel they compiled: each waits for the
+#               kernel before it before it touches memory             -> wait-first.json
 #   profiles    benchmarks/gpu_profiles.py (the profile matrix)      -> <date>-h200-profiles.json
 #   kernels     benchmarks/nf4_kernels.py (fused NF4 against dense)  -> <date>-h200-nf4-kernels.json
 #               (KERNELS=--quick: the 4096 x 4096 points only; "--defaults --problems N,K,M ...": the default rows there)
@@ -85,6 +87,7 @@ GPU_TESTS="tests/test_gpu.py tests/test_kernels.py tests/test_lora_kernels.py te
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1 CUBLAS_WORKSPACE_CONFIG=:4096:8
 export ANER_TOKENIZER_GGUF=$PWD/.whl/smollm2-tokenizer.gguf
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton-cache}   # fresh on a fresh machine; read by wait_first.py
 day=$(date +%Y-%m-%d)
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 for stage in "$@"; do
@@ -103,7 +106,8 @@ for stage in "$@"; do
                  python3 -m pytest -q -p no:cacheprovider "${ids[@]}" > "$OUT/gpu-tests-$g.log" 2>&1 &
              done
              wait; tail -n 3 "$OUT"/gpu-tests-*.log
-           fi ;;
+           fi
+           python3 benchmarks/wait_first.py "$TRITON_CACHE_DIR" "$OUT/wait-first.json" ;;
     profiles) python3 benchmarks/gpu_profiles.py "$OUT/$day-h200-profiles.json" 2>&1 | tee "$OUT/gpu-profiles.log" ;;
     ws) python3 benchmarks/nf4_ws.py "$OUT/$day-h200-nf4-ws.json" 2>&1 | tee "$OUT/nf4-ws.log" | tail -n 40 ;;
     rs) python3 benchmarks/nf4_rs.py "$OUT/$day-h200-nf4-rs.json" 2>&1 | tee "$OUT/nf4-rs.log" | tail -n 40 ;;

@@ -39,6 +39,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import after_prior, launch_options
+
 CHUNK = 4096        # elements a program updates (16 a thread: four 16-byte loads of each tensor)
 COLUMNS = 7         # a table row: parameter, gradient, m, v offsets from the base; numel; first chunk;
                     # the cast's offset from the cast base (-1: none)
@@ -52,6 +54,7 @@ def _adamw_kernel(base, cast_base, table, chunks, corrections, divisor, b1, b2, 
     an FP32 pointer, `cast_base` one of the casts' dtype; a row's offsets (in elements, from
     them) locate its tensors. ALIGNED: every offset and numel is a multiple of 4 (16-byte loads).
     `corrections`: the update's s and r2; lw = lr * wd, FP32."""
+    after_prior()
     pid = tl.program_id(0)
     row = table + tl.load(chunks + pid).to(tl.int64) * COLUMNS
     p_off, g_off = tl.load(row), tl.load(row + 1)
@@ -150,7 +153,8 @@ def adamw_(params, grads, exp_avgs, exp_avg_sqs, step, *, lr, beta1, beta2, weig
                             corrections if divisor is None else divisor,
                             f32(beta1), f32(beta2), f32(eps), f32(np.float32(lr) * np.float32(weight_decay)),
                             DIVIDE=divisor is not None, DECAY=weight_decay != 0, CAST=bool(kept),
-                            ALIGNED=aligned, COLUMNS=COLUMNS, CHUNK=CHUNK, num_warps=8, enable_fp_fusion=False)
+                            ALIGNED=aligned, COLUMNS=COLUMNS, CHUNK=CHUNK, num_warps=8, enable_fp_fusion=False,
+                            **launch_options(base.device))
 
 
 @triton.jit
@@ -158,6 +162,7 @@ def _squares_kernel(base, table, chunks, sums, ALIGNED: tl.constexpr, CHUNK: tl.
     """Program i: the float64 sum of the squares of chunk i, CHUNK elements of the tensor in row
     chunks[i] of the table (its offset from the FP32 pointer `base`, numel, first chunk).
     ALIGNED: every offset and numel is a multiple of 4 (16-byte loads)."""
+    after_prior()
     pid = tl.program_id(0)
     row = table + tl.load(chunks + pid).to(tl.int64) * 3
     offset, numel = tl.load(row), tl.load(row + 1)
@@ -210,5 +215,6 @@ def squares(tensors: list, chunk: int = 8192, warps: int = 8) -> torch.Tensor:
     table, chunks, aligned, low = _squares_plan(tuple((t.data_ptr(), t.numel()) for t in tensors),
                                                        device, chunk)
     sums = torch.empty(chunks.numel(), dtype=torch.float64, device=device)
-    _squares_kernel[(chunks.numel(),)](tensors[low], table, chunks, sums, ALIGNED=aligned, CHUNK=chunk, num_warps=warps)
+    _squares_kernel[(chunks.numel(),)](tensors[low], table, chunks, sums, ALIGNED=aligned, CHUNK=chunk, num_warps=warps,
+                                       **launch_options(device))
     return sums.sum()

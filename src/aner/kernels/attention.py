@@ -28,6 +28,7 @@ import triton.language as tl
 
 from ..errors import ConfigError
 from ..model import llama
+from .launch import after_prior, launch_options
 
 LOG2E = 1.4426950408889634
 
@@ -61,6 +62,7 @@ def _fwd_kernel(q, k, v, o, lse, sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h,
                 H, GROUP, T, scale2, BM: tl.constexpr, BN: tl.constexpr, E: tl.constexpr):
     """Rows [pid * BM, +BM) of head (b, h): o = softmax(q k^T) v, lse = log2 of each row's sum of
     exp2 (scores in log2 units). BM is a multiple of BN."""
+    after_prior()
     bh, b, h, first, rows = _row_block(H, BM)
     cols = tl.arange(0, BN)
     e = tl.arange(0, E)
@@ -84,6 +86,7 @@ def _fwd_kernel(q, k, v, o, lse, sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h,
 @triton.jit
 def _delta_kernel(o, do, delta, so_b, so_h, so_t, sd_b, sd_h, sd_t, H, T, BM: tl.constexpr, E: tl.constexpr):
     """delta = rowsum(dO * O) in FP32 for rows [pid * BM, +BM) of head (b, h)."""
+    after_prior()
     pid, bh = tl.program_id(0), tl.program_id(1)
     b, h = bh // H, bh % H
     rows = pid * BM + tl.arange(0, BM)
@@ -120,6 +123,7 @@ def _dkdv_kernel(q, k, v, do, lse, delta, dk, dv, sq_b, sq_h, sq_t, sk_b, sk_h, 
     """Keys [pid * BN, +BN) of key/value head (b, kv): dK and dV summed over the group's query
     heads in order, each over its query blocks in order. dK, dV have k's and v's strides; BN is a
     multiple of BM. The first key blocks (the most queries) run first."""
+    after_prior()
     bk, pid = tl.program_id(0), tl.program_id(1)
     KV = H // GROUP
     b, kv = bk // KV, bk % KV
@@ -168,6 +172,7 @@ def _dq_kernel(q, k, v, do, lse, delta, dq, sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, 
                sd_b, sd_h, sd_t, H, GROUP, T, scale, scale2, BM: tl.constexpr, BN: tl.constexpr, E: tl.constexpr):
     """Rows [pid * BM, +BM) of head (b, h): dQ summed over the keys they see, in order. dQ has q's
     strides; BM is a multiple of BN."""
+    after_prior()
     bh, b, h, first, rows = _row_block(H, BM)
     cols = tl.arange(0, BN)
     e = tl.arange(0, E)
@@ -200,7 +205,8 @@ TILES = {64: {"fwd": (64, 64, 4, 3), "dkdv": (64, 128, 8, 2), "dq": (128, 32, 4,
 
 def _launch(kernel, grid, args, tiles):
     bm, bn, warps, stages = tiles
-    kernel[grid](*args, BM=bm, BN=bn, E=args[0].shape[-1], num_warps=warps, num_stages=stages)
+    kernel[grid](*args, BM=bm, BN=bn, E=args[0].shape[-1], num_warps=warps, num_stages=stages,
+                 **launch_options(args[0].device))
 
 
 def forward(q, k, v, tiles):
@@ -236,7 +242,8 @@ class _Attention(torch.autograd.Function):
         if not q.numel():
             return dq, dk, dv, None
         delta = torch.empty_like(lse)
-        _delta_kernel[(triton.cdiv(T, 64), B * H)](o, do, delta, *_strides(o), *_strides(do), H, T, BM=64, E=E)
+        _delta_kernel[(triton.cdiv(T, 64), B * H)](o, do, delta, *_strides(o), *_strides(do), H, T, BM=64, E=E,
+                                                   **launch_options(o.device))
         s = ctx.scale
         common = (q, k, v, do, lse, delta)
         strides = (*_strides(q), *_strides(k), *_strides(v), *_strides(do), H, group, T, s, s * LOG2E)

@@ -42,6 +42,7 @@ import triton.language as tl
 
 from ..errors import ConfigError
 from . import FLOATS
+from .launch import after_prior, launch_options
 
 BLOCK = 16384       # columns per step of a row; smaller when V is
 LANE = 8            # a lane's columns of a block: one 16-byte load of BF16
@@ -54,6 +55,7 @@ def _cross_entropy_kernel(logits, targets, scale, loss, dlogits, n, stride_t, ig
     logits -> loss[row] (FP32) and dlogits[row, :] (logits' dtype). V is a constant: one compile
     per vocabulary, and trip counts known to the compiler; ROWS a power of two. Each row's first
     block is loaded while the row before it finishes."""
+    after_prior()
     cols = tl.arange(0, BLOCK // LANE)[:, None] * LANE + tl.arange(0, LANE)[None, :]   # (lanes, LANE)
     w = tl.load(scale)
     row = tl.program_id(0).to(tl.int64)
@@ -174,4 +176,4 @@ def _launch(logits, targets, scale, loss, out, ignore_index, programs, block=Non
     rows = triton.next_power_of_2(triton.cdiv(n, programs))     # a handful of compiles, whatever n
     _cross_entropy_kernel[(min(n, programs),)](
         logits, targets, scale, loss, out, n, targets.stride(0), ignore_index, V=V, BLOCK=block, LANE=LANE, ROWS=rows,
-        num_warps=warps or max(4, min(32, block // 512)))
+        num_warps=warps or max(4, min(32, block // 512)), **launch_options(logits.device))

@@ -3,10 +3,7 @@ wants FP32 products (adapter contractions, FP32 operands of the fused NF4 kernel
 import triton
 import triton.language as tl
 
-from . import INTERPRETING
-
-# Triton's CPU interpreter runs no PTX; its numpy product is rounded on its own anyway.
-_INTERPRETED = tl.constexpr(INTERPRETING)
+from .launch import INTERPRETED
 
 
 @triton.jit
@@ -14,7 +11,7 @@ def scaled(w, scale):
     """w * scale in FP32, rounded on its own (never fused with an operation after it, e.g. the
     subtraction that splits it into parts) and without flushing subnormals (libdevice's `mul_rn`
     compiles to mul.rn.ftz here): the bits of torch's product of an FP32 tensor and that float."""
-    if _INTERPRETED:
+    if INTERPRETED:       # no PTX there; numpy's product is rounded on its own anyway
         return w * scale
     else:
         return tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=f,f,f", [w, scale], dtype=tl.float32,

@@ -40,6 +40,7 @@ from torch import nn
 from ..errors import ConfigError
 from ..model.llama import side_by_side
 from . import FLOATS, TARGET_PROGRAMS
+from .launch import after_prior, launch_options
 from .splits import sum_splits
 
 
@@ -49,6 +50,7 @@ def _rope_kernel(x, cos, sin, out, n, T, E, sxb, sxh, sxt, sob, soh, sot,
     """out[t, e] = x[t, e] * cos[t, e] + x[t, e^1] * sin[t, e] for BT positions of one (b, head);
     BACKWARD reads sin[t, e^1] instead (the gradient through the flip). FP32, one final rounding.
     Rows are loaded whole and split into their even and odd elements (vector loads, no gather)."""
+    after_prior()
     b = tl.program_id(0) // n
     h = tl.program_id(0) % n
     t = tl.program_id(1) * BT + tl.arange(0, BT)
@@ -76,7 +78,7 @@ def _rope_launch(x, cos, sin, out, backward: bool) -> torch.Tensor:
     if out.numel():
         _rope_kernel[(B * n, triton.cdiv(T, bt))](
             x, cos, sin, out, n, T, E, *x.stride()[:3], *out.stride()[:3],
-            BACKWARD=backward, BT=bt, BE=be, num_warps=4, enable_fp_fusion=False)
+            BACKWARD=backward, BT=bt, BE=be, num_warps=4, enable_fp_fusion=False, **launch_options(x.device))
     return out
 
 
@@ -162,6 +164,7 @@ def rope(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
 def _rms_forward_kernel(x, y, s, w, out, r, D, eps, HAS_Y: tl.constexpr, BD: tl.constexpr):
     """One row: HAS_Y: s = x + y in FP32, stored; r = rsqrt(sum(s^2) / D + eps), out = (s * r) * w
     rounded to out's dtype; FP32."""
+    after_prior()
     row = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, BD)
     mask = d < D
@@ -182,6 +185,7 @@ def _rms_backward_kernel(dout, s, w, r, ds, dx, dy, part, M, D, ROWS: tl.constex
     (dout*w - shat * mean(dout*w*shat)) (+ ds, the gradient reaching s from elsewhere, when
     HAS_DS), and dy = dx in y's dtype when HAS_DY; when HAS_DW, part[pid] = the sum of dout * shat
     over those rows; FP32."""
+    after_prior()
     pid = tl.program_id(0)
     d = tl.arange(0, BD)
     mask = d < D
@@ -246,7 +250,7 @@ class _RMSNorm(torch.autograd.Function):
         s = x2d if y2d is None else torch.empty_like(x2d)
         if M:
             _rms_forward_kernel[(M,)](x2d, s if y2d is None else y2d, s, weight, out, r, D, eps,
-                                      HAS_Y=y2d is not None, BD=bd, num_warps=_warps(bd))
+                                      HAS_Y=y2d is not None, BD=bd, num_warps=_warps(bd), **launch_options(s.device))
         ctx.save_for_backward(s, weight, r)
         ctx.y_dtype = None if y2d is None else y2d.dtype
         ctx.set_materialize_grads(False)     # s unused after the last norm: no zeros to add
@@ -268,7 +272,8 @@ class _RMSNorm(torch.autograd.Function):
             _rms_backward_kernel[(programs,)](
                 dout.contiguous(), s, weight, r, s if ds is None else ds.contiguous(), dx, dx if dy is None else dy,
                 s if part is None else part, M, D, ROWS=per, STEP=min(per, step),
-                HAS_DS=ds is not None, HAS_DY=dy is not None, HAS_DW=has_dw, BD=bd, num_warps=_warps(bd))
+                HAS_DS=ds is not None, HAS_DY=dy is not None, HAS_DW=has_dw, BD=bd, num_warps=_warps(bd),
+                **launch_options(s.device))
         dw = None if part is None else sum_splits(part)
         return dx, dy, dw, None, None
 
@@ -315,6 +320,7 @@ def _swiglu_kernel(gate, up, g, out, dup, F, s_gate, s_up, s_g, s_out, s_dup,
     """BLOCK columns of one row (each tensor's rows s_* apart). Forward: out = silu(gate) * up.
     BACKWARD: out = d gate, dup = d up, from g = d out. FP32, one rounding per output; the sigmoid
     is 1 / (1 + exp(-gate)) with an IEEE division."""
+    after_prior()
     row = tl.program_id(0).to(tl.int64)
     col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = col < F
@@ -338,7 +344,7 @@ def _swiglu_launch(gate, up, g, out, dup, backward: bool):
     if gate.numel():
         _swiglu_kernel[(M, triton.cdiv(F, block))](
             gate, up, g, out, dup, F, gate.stride(0), up.stride(0), g.stride(0), out.stride(0), dup.stride(0),
-            BACKWARD=backward, BLOCK=block, num_warps=8 if block >= 2048 else 4)
+            BACKWARD=backward, BLOCK=block, num_warps=8 if block >= 2048 else 4, **launch_options(out.device))
 
 
 class _SwiGLU(torch.autograd.Function):

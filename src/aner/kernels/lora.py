@@ -45,6 +45,7 @@ import triton.language as tl
 
 from . import TARGET_PROGRAMS, joins_deltas
 from .fp32 import bf16_parts, fp32_dot, parts_dot, scaled, six_dot
+from .launch import after_prior, launch_options
 from .splits import sum_splits
 
 
@@ -69,6 +70,7 @@ def _project_kernel(p, w, out, copy, copy_rows, M, N, R, stride_wr, stride_wn, s
     """out[s] (M, R) FP32 = p (M, N) @ w^T over columns [s, s + 1) * STEPS * BN of N, for w (R, N)
     given by its strides (times `scale` when SCALED: `fp32.scaled`); COPY: p also written to
     `copy`'s rows, copy_rows apart."""
+    after_prior()
     offs_m = tl.program_id(0) * BM + tl.arange(0, BM)
     pid_s = tl.program_id(1)
     offs_r = tl.arange(0, RP)
@@ -99,6 +101,7 @@ def _expand_kernel(q, w, base, out, M, N, R, q_plane, q_rows, stride_wn, stride_
     apart, rows q_rows apart) and w (N, R) by its strides (times `scale` when SCALED:
     `fp32.scaled`); FP32, one rounding. Program (j, s) writes column tile j of row tiles
     [s, s + 1) * STEPS, loading its tile of w once."""
+    after_prior()
     offs_n = tl.program_id(0) * BN + tl.arange(0, BN)
     pid_s = tl.program_id(1)
     offs_r = tl.arange(0, RP)
@@ -146,6 +149,7 @@ def _reduce_tokens_kernel(p, q, part, M, N, R, q_plane, q_rows, STEPS: tl.conste
     """part[s] (N, R) FP32 = p[rows of part s]^T @ q[rows of part s] for p (M, N) and q (M, R)
     given by its three BF16 parts (planes q_plane apart, rows q_rows apart); part s is rows
     [s, s + 1) * STEPS * BM."""
+    after_prior()
     offs_n = tl.program_id(0) * BN + tl.arange(0, BN)
     pid_s = tl.program_id(1)
     offs_r = tl.arange(0, RP)
@@ -170,6 +174,7 @@ def _reduce_tokens_kernel(p, q, part, M, N, R, q_plane, q_rows, STEPS: tl.conste
 def _spread_kernel(b, out, N, R, stride_bn, stride_br, out_rows, scale, BN: tl.constexpr, RP: tl.constexpr):
     """out[n, p * R + c] (BF16, rows out_rows apart) = (scale * b[n, c])'s parts hi, hi, mid for
     p = 0, 1, 2: a joined operand's columns for b (N, R) FP32, given by its strides."""
+    after_prior()
     offs_n = tl.program_id(0) * BN + tl.arange(0, BN)
     offs_r = tl.arange(0, RP)
     mask = (offs_n < N)[:, None] & (offs_r < R)[None, :]
@@ -221,7 +226,7 @@ def project(p: torch.Tensor, w: torch.Tensor, tiles: Tiles | None = None,
         _project_kernel[(triton.cdiv(M, t.bm), split)](
             p, w, part, copy, copy.stride(0), M, N, R, w.stride(0), w.stride(1), scale, STEPS=per, BM=t.bm,
             BN=t.bn, RP=_rank_tile(R), P_BF16=p.dtype == torch.bfloat16, TC=t.tc, COPY=joined is not None,
-            SCALED=scale != 1.0, num_warps=t.warps, num_stages=t.stages)
+            SCALED=scale != 1.0, num_warps=t.warps, num_stages=t.stages, **launch_options(p.device))
     return sum_splits(part, parts=parts, joined=joined)
 
 
@@ -251,7 +256,7 @@ def expand(q: torch.Tensor, w: torch.Tensor, base: torch.Tensor | None, dtype: t
         _expand_kernel[(triton.cdiv(N, t.bn), split)](
             q, w, q if base is None else base, out, M, N, R, q.stride(0), q.stride(1), w.stride(0), w.stride(1),
             scale, STEPS=per, HAS_BASE=base is not None, BM=t.bm, BN=t.bn, RP=_rank_tile(R), TC=t.tc,
-            SCALED=scale != 1.0, num_warps=t.warps, num_stages=t.stages)
+            SCALED=scale != 1.0, num_warps=t.warps, num_stages=t.stages, **launch_options(q.device))
     return out
 
 
@@ -270,7 +275,8 @@ def reduce_tokens(p: torch.Tensor, q: torch.Tensor, tiles: Tiles | None = None, 
     if M:         # every program writes its part's tile: every element is written
         _reduce_tokens_kernel[(triton.cdiv(N, t.bn), split)](
             p, q, part, M, N, R, q.stride(0), q.stride(1), STEPS=per, BM=t.bm, BN=t.bn, RP=_rank_tile(R),
-            P_BF16=p.dtype == torch.bfloat16, TC=t.tc, num_warps=t.warps, num_stages=t.stages)
+            P_BF16=p.dtype == torch.bfloat16, TC=t.tc, num_warps=t.warps, num_stages=t.stages,
+            **launch_options(p.device))
     if not transposed:
         return sum_splits(part, scale=scale)
     out = torch.empty(R, N, device=p.device, dtype=torch.float32)
@@ -323,7 +329,7 @@ def _joined_product(base, i: int, wide: torch.Tensor, r0: int, b: torch.Tensor, 
     K = w.shape[1] - 3 * R
     block = w[:, :left] if left else w[:, K:]
     _spread_kernel[(triton.cdiv(N, 64),)](b, block, N, R, b.stride(0), b.stride(1), block.stride(0), scale, BN=64,
-                                          RP=_rank_tile(R), num_warps=4)
+                                          RP=_rank_tile(R), num_warps=4, **launch_options(b.device))
     x = wide[:, :left + K] if left else wide[:, 3 * r0:]
     with torch.autocast(wide.device.type, enabled=False):
         return torch.mm(x, w.t()), w[:, left:left + K]

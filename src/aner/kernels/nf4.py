@@ -48,6 +48,7 @@ from ..quant.nf4 import (ABSMAX_BLOCK, DYNAMIC8_CODEBOOK, NF4_BLOCK, NF4_CODEBOO
                          unpack_nibbles)
 from . import FLOATS, INTERPRETING
 from .fp32 import fp32_dot
+from .launch import after_prior, launch_options
 from .splits import sum_splits
 
 # The kernels shift instead of dividing: flat >> 6 is the NF4 block, block >> 8 its scale.
@@ -372,6 +373,7 @@ def _nf4_matmul_kernel(x, y, part, codes, absmax, acodes, ascales, aoffset, nf4c
     SWAP computes the transposed tile W x^T, so the decoded weight is the register operand (A)
     of the MMA and x^T is read from shared memory.
     """
+    after_prior()
     pid_m, pid_n = _tile_ids(tl.cdiv(M, BM), tl.cdiv(N, BN), GROUP_M)
     pid_s = tl.program_id(1)
     offs_m = pid_m * BM + tl.arange(0, BM)
@@ -416,6 +418,7 @@ def _nf4_matmul_t_kernel(g, dx, part, codes, absmax, acodes, ascales, aoffset, n
     The output tile is (BM, BK); the decoded weight tile (BN, BK) is the B operand, or with SWAP
     its transpose is the A operand of dx^T = W^T g^T.
     """
+    after_prior()
     pid_m, pid_k = _tile_ids(tl.cdiv(M, BM), tl.cdiv(K, BK), GROUP_M)
     pid_s = tl.program_id(1)
     offs_m = pid_m * BM + tl.arange(0, BM)
@@ -451,6 +454,7 @@ def _nf4_matmul_t_kernel(g, dx, part, codes, absmax, acodes, ascales, aoffset, n
 def _nf4_rows_kernel(ids, out, codes, absmax, acodes, ascales, aoffset, nf4cb, dyncb, n_ids, K,
                      BR: tl.constexpr, BC: tl.constexpr, DQ: tl.constexpr, LUT: tl.constexpr):
     """out[i, :] = decoded row ids[i] (FP32), BR ids x BC columns per program."""
+    after_prior()
     offs_i = tl.program_id(0) * BR + tl.arange(0, BR)
     i_mask = offs_i < n_ids
     rows = tl.load(ids + offs_i, mask=i_mask, other=0)
@@ -466,6 +470,7 @@ def _nf4_decode_kernel(out, out_rows, codes, absmax, acodes, ascales, aoffset, n
                        LUT: tl.constexpr):
     """out (N, K) = W in out's dtype (rows out_rows apart), one (BR, BC) tile per program (FAST:
     K % 64 == 0)."""
+    after_prior()
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     col0 = tl.program_id(1) * BC
     cols = col0 + tl.arange(0, BC)
@@ -608,7 +613,8 @@ def _launch_matmul(kernel, a, packed, M, R, Q, out_cols, config, op):
     kernel[(tiles, split)](a, out, part, *packed._args(), M, N, K, STEPS_PER_SPLIT=per,
                            BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, GROUP_M=cfg.group_m, SPLIT=split,
                            FAST=fast, DQ=packed.double_quant, LUT=cfg.lut, SWAP=cfg.swap, TC=cfg.tc,
-                           num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False)
+                           num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False,
+                           **launch_options(a.device))
     if split > 1:
         sum_splits(part, out)
     return out
@@ -657,7 +663,8 @@ def nf4_embedding(packed: DevicePacked, ids: torch.Tensor, lut: int = 0) -> torc
         br, bc = 4, min(1024, _pow2_at_least(K, 16))
         grid = (-(-flat.numel() // br), -(-K // bc))
         _nf4_rows_kernel[grid](flat, out, *packed._args(), flat.numel(), K, BR=br, BC=bc,
-                               DQ=packed.double_quant, LUT=lut, num_warps=4, enable_fp_fusion=False)
+                               DQ=packed.double_quant, LUT=lut, num_warps=4, enable_fp_fusion=False,
+                               **launch_options(out.device))
     return out.reshape(*ids.shape, K)
 
 
@@ -674,7 +681,8 @@ def nf4_decode(packed: DevicePacked, dtype: torch.dtype = torch.float32, left: i
     br, bc = 16, 256
     _nf4_decode_kernel[(-(-N // br), -(-K // bc))](out[:, left:], out.stride(0), *packed._args(), N, K, BR=br, BC=bc,
                                                    FAST=K % 64 == 0, DQ=packed.double_quant,
-                                                   LUT=1 if INTERPRETING else 3, num_warps=4, enable_fp_fusion=False)
+                                                   LUT=1 if INTERPRETING else 3, num_warps=4, enable_fp_fusion=False,
+                                                   **launch_options(out.device))
     return out
 
 

@@ -5,6 +5,7 @@ import triton.language as tl
 
 from . import TARGET_PROGRAMS
 from .fp32 import bf16_parts, scaled
+from .launch import after_prior, launch_options
 
 
 @triton.jit
@@ -18,6 +19,7 @@ def _sum_splits_kernel(part, out, numel, cols, out_plane, out_rows, out_cols, sc
     also go to rows of `joined` (joined_rows apart) as hi, mid, hi in three blocks of their
     columns' width: columns below `left` at 0, the others at `right` (`kernels.lora`'s joined
     operand)."""
+    after_prior()
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < numel
     ptr = part + offs
@@ -87,5 +89,5 @@ def sum_splits(part: torch.Tensor, out: torch.Tensor | None = None,
             part, out, numel, cols, out.stride(0) if parts is not None else 0, rows, step, scale,
             *((wide, wide.stride(0), left, right) if joined is not None else (out, 0, 0, 0)), SPLIT=part.shape[0],
             BLOCK=block, PARTS=parts is not None, JOINED=joined is not None, SCALED=scale != 1.0,
-            num_warps=max(1, min(4, block // 128)), enable_fp_fusion=False)
+            num_warps=max(1, min(4, block // 128)), enable_fp_fusion=False, **launch_options(part.device))
     return out
