@@ -83,7 +83,7 @@
 #     [f for k, f in g.fields.items() if k.startswith('tokenizer.') or k == 'general.architecture'], [])"
 set -uo pipefail
 GPU_TESTS="tests/test_gpu.py tests/test_kernels.py tests/test_lora_kernels.py tests/test_adamw_kernel.py tests/test_attention.py
-           tests/test_layer_kernels.py tests/test_cross_entropy_kernel.py"
+           tests/test_layer_kernels.py tests/test_cross_entropy_kernel.py tests/test_launch.py"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1 CUBLAS_WORKSPACE_CONFIG=:4096:8
 export ANER_TOKENIZER_GGUF=$PWD/.whl/smollm2-tokenizer.gguf

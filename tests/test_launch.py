@@ -1,15 +1,19 @@
-"""Programmatic dependent launch (aner.kernels.launch), checked without a GPU.
+"""Programmatic dependent launch (aner.kernels.launch).
 
 A kernel launched so may start while the kernel before it is still running; it is safe only if it
 waits for that kernel before it reads or writes memory. So every Triton kernel of the package
 calls `after_prior()` first, every launch of one asks for the early start, and `after_prior()`
-compiles, for Hopper, to the wait before any load or store (and to nothing before Hopper)."""
+compiles, for Hopper, to the wait before any load or store (and to nothing before Hopper): checked
+without a GPU. On a CUDA device, a chain of launches each reading what the one before it wrote
+gives the bits of the same sums made one at a time, eagerly and replayed from a CUDA graph."""
 import ast
 import importlib.util
 import pathlib
 import re
 
+import numpy as np
 import pytest
+import torch
 
 if importlib.util.find_spec("triton") is None:
     pytest.skip("Triton is not installed", allow_module_level=True)
@@ -20,6 +24,7 @@ from triton.compiler import ASTSource  # noqa: E402
 from triton.runtime.jit import constexpr_function  # noqa: E402
 
 from aner.kernels import launch, lora  # noqa: E402
+from aner.kernels.splits import sum_splits  # noqa: E402
 
 SOURCES = sorted(pathlib.Path(launch.__file__).parent.glob("*.py"))
 
@@ -86,3 +91,36 @@ def test_the_wait_comes_before_every_load_and_store_on_hopper(monkeypatch, tmp_p
 def test_no_wait_is_compiled_before_hopper(monkeypatch, tmp_path):
     lines = _ptx(80, monkeypatch, tmp_path)
     assert lines and not any("griddepcontrol" in line for line in lines), lines
+
+
+def _chain(x: torch.Tensor, steps: int) -> None:
+    """x[2i + 2] = x[2i] + x[2i + 1] for i < steps, one launch each: each reads the row the one
+    before it wrote."""
+    for i in range(steps):
+        sum_splits(x[2 * i:2 * i + 2], out=x[2 * i + 2])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_chain_of_dependent_launches_reads_what_each_wrote():
+    steps, n = 400, 1 << 16
+    gen = torch.Generator().manual_seed(5)
+    noise = torch.randn(steps, n, generator=gen)
+    want = np.empty((steps + 1, n), np.float32)
+    want[0] = noise[0].numpy()
+    for i in range(steps):            # the FP32 sums in the same order, one at a time
+        want[i + 1] = want[i] + (noise[i].numpy() if i else np.float32(0))
+    start = torch.full((2 * steps + 1, n), float("nan"))
+    start[0], start[1] = noise[0], 0.0
+    start[3:2 * steps:2] = noise[1:]
+    x = start.cuda()
+    assert launch.launch_options(x.device) == ({"launch_pdl": True} if torch.cuda.get_device_capability()[0] >= 9
+                                               else {})
+    _chain(x, steps)                  # eagerly (and every kernel compiled before the capture)
+    assert np.array_equal(x[0::2].cpu().numpy(), want)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        _chain(x, steps)
+    for _ in range(3):
+        x.copy_(start)
+        graph.replay()
+        assert np.array_equal(x[0::2].cpu().numpy(), want)
