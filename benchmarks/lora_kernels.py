@@ -9,8 +9,9 @@ The baseline is the unfused path of `aner.adapters` (`x.float() @ A^T`, `@ B^T`,
 add; autograd's FP32 GEMMs in backward). `floor_ms` is the op's bytes at 4.8 TB/s.
 
 --sweep: every op at every shape one update of Llama-3.2-1B or Llama-3.1-8B LoRA on all seven
-projections gives it (q, k, v and gate, up together), over a grid of tiles, warps and pipeline
-stages (OP ...: only those ops); compiled first in parallel processes, then checked and timed
+projections gives it (q, k, v and gate, up together), over a grid of tiles, warps, pipeline
+stages and, for project and reduce_tokens, the number of parts of the reduced dimension
+(OP ...: only those ops); compiled first in parallel processes, then checked and timed
 one at a time, each as a replayed CUDA graph over operand copies that do not fit in L2. expand
 is timed as training runs it around a GEMM base: writing the delta alone, which the base's GEMM
 then adds its product to. Prints, per model and op, the per-update time of the default tiles, of
@@ -67,8 +68,14 @@ def grid(op):
         return ([T(bm, bn, warps=w, stages=st) for bm, bn, w, st in
                  itertools.product((32, 64, 128), (64, 128, 256), (4, 8), (1, 2))]
                 + [T(64, 128, split=s) for s in (4, 8, 16, 64, 128)])
-    return [T(bm, bn, warps=w, stages=st) for bm, bn, w, st in
-            itertools.product((64, 128, 256), (32, 64, 128), (4, 8), (2, 3, 4)) if bm * bn * st <= 65536]
+    tiles = [T(bm, bn, warps=w, stages=st) for bm, bn, w, st in
+             itertools.product((64, 128, 256), (32, 64, 128), (4, 8), (2, 3, 4)) if bm * bn * st <= 65536]
+    # The reduced dimension in a given number of parts, not as many as TARGET_PROGRAMS programs
+    # ask for: fewer parts are fewer partial sums to write and add, fewer programs a launch (at
+    # 1, project's 32-row tiles are 256 programs at 8192 tokens).
+    parts = [T(bm, bn, warps=w, stages=3, split=s) for (bm, bn, w), s in
+             itertools.product(((32, 128, 4), (64, 128, 4), (64, 128, 8), (128, 64, 8)), (1, 2, 4, 8, 16, 32))]
+    return tiles + parts
 
 
 def operands(op, N, R):
