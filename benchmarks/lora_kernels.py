@@ -12,10 +12,11 @@ add; autograd's FP32 GEMMs in backward). `floor_ms` is the op's bytes at 4.8 TB/
 projections gives it (q, k, v and gate, up together), over a grid of tiles, warps, pipeline
 stages and, for project and reduce_tokens, the number of parts of the reduced dimension
 (OP ...: only those ops); compiled first in parallel processes, then checked and timed
-one at a time, each as a replayed CUDA graph over operand copies that do not fit in L2. expand
-is timed as training runs it around a GEMM base: writing the delta alone, which the base's GEMM
-then adds its product to. Prints, per model and op, the per-update time of the default tiles, of
-the best single variant and of the best per shape.
+one at a time, each as a replayed CUDA graph over operand copies that do not fit in L2. Each is
+timed as training runs it: project writing its output as BF16 parts (in one part by itself, in
+more by the ordered sum of the parts), expand around a GEMM base, writing the delta alone, which
+the base's GEMM then adds its product to. Prints, per model and op, the per-update time of the
+default tiles, of the best single variant and of the best per shape.
 """
 import datetime
 import itertools
@@ -89,8 +90,9 @@ def operands(op, N, R):
     w = torch.randn(R, N, device="cuda", generator=g) / N ** 0.5
     q = torch.randn(M, R, device="cuda", generator=g)
     p = ps[0]
-    if op == "project":
-        return ((lambda t, i=0: L.project(ps[i], w, t)),
+    if op == "project":                             # u or du, written as training writes it: its BF16 parts
+        planes = torch.empty(3, M, R, device="cuda", dtype=torch.bfloat16)
+        return ((lambda t, i=0: L.project(ps[i], w, t, parts=planes)),
                 lambda: (p.double() @ w.double().t(), p.double().abs() @ w.double().abs().t()), p.numel() * 2)
     qp = L.to_parts(q)                              # u or du: the BF16 parts project writes
     if op == "expand":                              # the delta alone, written in BF16
@@ -136,7 +138,8 @@ def sweep(out, ops):
             row = {"op": op, "N": N, "R": R, "variant": str(t), "default": t == default,
                    "floor_ms": nbytes / BANDWIDTH * 1e3}
             try:
-                err = (fn(t).double() - ref).abs()
+                got = fn(t).double()
+                err = ((got.sum(0) if op == "project" else got) - ref).abs()      # project's parts: exact sum
                 row.update(ms=bench_graphed(lambda i: fn(t, i), copies), abs_err=err.max().item(),
                            ok=bool((err <= tol).all()))
             except Exception as e:  # recorded, not hidden

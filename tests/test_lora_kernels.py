@@ -15,6 +15,7 @@ from kernel_device import INTERPRET, device_or_skip
 DEV = device_or_skip()
 
 from aner.kernels import lora as L  # noqa: E402
+from aner.kernels.splits import sum_splits  # noqa: E402
 from aner.model.llama import Dense  # noqa: E402
 
 if INTERPRET:
@@ -170,6 +171,32 @@ def test_products_through_parts():
         close(db, g.double().t() @ qd, g.double().abs().t() @ qd.abs(), torch.float32)
         close(delta, qd @ b.double().t(), qd.abs() @ b.double().abs().t(), torch.float32)
     assert planes[:, :, 16:19].float().isnan().all()                      # the columns between untouched
+
+
+@pytest.mark.parametrize("split", [1, 3])
+def test_parts_written_by_project(split):
+    """In one part, project writes u's BF16 parts itself (no ordered sum to make), into columns of
+    wider planes and into the joined operand x' beside its copy of x: the bits the ordered sum
+    writes from project's FP32 output, as it does at three parts; nothing else written."""
+    M, K, ranks = (300, 576, (8, 16)) if not INTERPRET else (37, 300, (8, 16))
+    r, tiles = sum(ranks), L.Tiles(32, 64, split=split, tc=not INTERPRET)
+    p = torch.randn(M, K, device=DEV).bfloat16()
+    w = torch.randn(r, K, device=DEV) / K ** 0.5
+    assert L._parts(2, 5, split) == (split, 2 if split == 3 else 5)
+    runs, unwritten = [], 2.0 ** 100
+    for by_project in (True, False):
+        wide = torch.full((M, 3 * r + K), unwritten, device=DEV, dtype=torch.bfloat16)
+        planes = torch.full((3, M, r + 5), unwritten, device=DEV, dtype=torch.bfloat16)
+        if by_project:
+            assert L.project(p, w, tiles, parts=planes[:, :, 2:2 + r], joined=(wide, ranks[0])) is not None
+        else:
+            wide[:, 3 * ranks[0]:3 * ranks[0] + K] = p
+            sum_splits(L.project(p, w, tiles)[None], parts=planes[:, :, 2:2 + r], joined=(wide, ranks[0]))
+        runs.append((wide, planes))
+    (wide, planes), (ref_wide, ref_planes) = runs
+    assert torch.equal(planes, ref_planes) and torch.equal(wide, ref_wide)
+    assert (planes[:, :, :2] == unwritten).all() and (planes[:, :, 2 + r:] == unwritten).all()
+    assert not (wide == unwritten).any() and not (planes[:, :, 2:2 + r] == unwritten).any()
 
 
 @pytest.mark.skipif(INTERPRET, reason="BF16 products: GPU only")

@@ -30,10 +30,10 @@ products to FP32 accuracy, as the adapter policy requires: on the tensor cores t
 parts of the FP32 values, summed in FP32 (`fp32.fp32_dot`; measured on the H200 at several times
 the FP32 multiply-add rate), or with FP32 multiply-adds (`Tiles(tc=False)`). No TF32. u and du
 are carried as their exact BF16 parts (hi, mid, lo: three (M, r) planes), which the ordered sum
-that ends project writes; expand and reduce_tokens load them where they would otherwise split
-the same (M, r) tile again in every one of their programs (the same bits). `expand` rounds its
-output once. Reductions over a long dimension are split into a fixed number of parts that a
-second kernel sums in order. Tiles and splits are fixed functions of the shapes: the same inputs
+that ends project writes (project itself, when it makes one part); expand and reduce_tokens load
+them where they would otherwise split the same (M, r) tile again in every one of their programs
+(the same bits). `expand` rounds its output once. Reductions over a long dimension are split into
+a fixed number of parts that a second kernel sums in order. Tiles and splits are fixed functions of the shapes: the same inputs
 give the same bits on every run. The pure-torch reference is the unfused path in `aner.adapters`.
 """
 import itertools
@@ -46,7 +46,7 @@ import triton.language as tl
 from . import TARGET_PROGRAMS, joins_deltas
 from .fp32 import bf16_parts, fp32_dot, parts_dot, scaled, six_dot
 from .launch import after_prior, launch_options
-from .splits import sum_splits
+from .splits import joined_args, store_parts, sum_splits
 
 
 @dataclass(frozen=True)
@@ -64,12 +64,15 @@ class Tiles:
 
 
 @triton.jit
-def _project_kernel(p, w, out, copy, copy_rows, M, N, R, stride_wr, stride_wn, scale, STEPS: tl.constexpr,
-                    BM: tl.constexpr, BN: tl.constexpr, RP: tl.constexpr, P_BF16: tl.constexpr,
-                    TC: tl.constexpr, COPY: tl.constexpr, SCALED: tl.constexpr):
+def _project_kernel(p, w, out, copy, copy_rows, M, N, R, stride_wr, stride_wn, scale, out_plane, out_rows,
+                    joined, joined_rows, left, right, STEPS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                    RP: tl.constexpr, P_BF16: tl.constexpr, TC: tl.constexpr, COPY: tl.constexpr,
+                    SCALED: tl.constexpr, PARTS: tl.constexpr, JOINED: tl.constexpr):
     """out[s] (M, R) FP32 = p (M, N) @ w^T over columns [s, s + 1) * STEPS * BN of N, for w (R, N)
     given by its strides (times `scale` when SCALED: `fp32.scaled`); COPY: p also written to
-    `copy`'s rows, copy_rows apart."""
+    `copy`'s rows, copy_rows apart. PARTS (one part, the whole of N): written instead as its BF16
+    parts, and into `joined` when JOINED, as the ordered sum of parts writes them
+    (`splits.store_parts`)."""
     after_prior()
     offs_m = tl.program_id(0) * BM + tl.arange(0, BM)
     pid_s = tl.program_id(1)
@@ -89,8 +92,13 @@ def _project_kernel(p, w, out, copy, copy_rows, M, N, R, stride_wr, stride_wn, s
         if SCALED:
             wt = scaled(wt, scale)
         acc = fp32_dot(pt, wt, acc, P_BF16, TC)
-    tl.store(out + pid_s.to(tl.int64) * M * R + offs_m.to(tl.int64)[:, None] * R + offs_r[None, :], acc,
-             mask=m_mask[:, None] & (offs_r < R)[None, :])
+    mask = m_mask[:, None] & (offs_r < R)[None, :]
+    if PARTS:
+        store_parts(acc, offs_m.to(tl.int64)[:, None], offs_r[None, :], mask, out, out_plane, out_rows, joined,
+                    joined_rows, R, left, right, JOINED)
+    else:
+        tl.store(out + pid_s.to(tl.int64) * M * R + offs_m.to(tl.int64)[:, None] * R + offs_r[None, :], acc,
+                 mask=mask)
 
 
 @triton.jit
@@ -220,14 +228,21 @@ def project(p: torch.Tensor, w: torch.Tensor, tiles: Tiles | None = None,
     R = w.shape[0]
     t = tiles or default_tiles("project", R)
     split, per = _parts(triton.cdiv(M, t.bm), triton.cdiv(N, t.bn), t.split)
-    part = torch.empty(split, M, R, device=p.device, dtype=torch.float32)
+    direct = parts is not None and split == 1                  # no sum to make: the kernel writes the parts
+    if direct:
+        assert parts.dtype == torch.bfloat16 and parts.shape == (3, M, R) and parts.stride(2) == 1
+        out = parts
+    else:
+        out = torch.empty(split, M, R, device=p.device, dtype=torch.float32)
     copy = p if joined is None else joined[0][:, 3 * joined[1]:3 * joined[1] + N]
     if M:
         _project_kernel[(triton.cdiv(M, t.bm), split)](
-            p, w, part, copy, copy.stride(0), M, N, R, w.stride(0), w.stride(1), scale, STEPS=per, BM=t.bm,
-            BN=t.bn, RP=_rank_tile(R), P_BF16=p.dtype == torch.bfloat16, TC=t.tc, COPY=joined is not None,
-            SCALED=scale != 1.0, num_warps=t.warps, num_stages=t.stages, **launch_options(p.device))
-    return sum_splits(part, parts=parts, joined=joined)
+            p, w, out, copy, copy.stride(0), M, N, R, w.stride(0), w.stride(1), scale, out.stride(0),
+            out.stride(1), *joined_args(joined if direct else None, R, out), STEPS=per, BM=t.bm, BN=t.bn,
+            RP=_rank_tile(R), P_BF16=p.dtype == torch.bfloat16, TC=t.tc, COPY=joined is not None,
+            SCALED=scale != 1.0, PARTS=direct, JOINED=direct and joined is not None, num_warps=t.warps,
+            num_stages=t.stages, **launch_options(p.device))
+    return out if direct else sum_splits(out, parts=parts, joined=joined)
 
 
 def to_parts(q: torch.Tensor) -> torch.Tensor:

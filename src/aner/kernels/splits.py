@@ -13,12 +13,9 @@ def _sum_splits_kernel(part, out, numel, cols, out_plane, out_rows, out_cols, sc
                        SPLIT: tl.constexpr, BLOCK: tl.constexpr, PARTS: tl.constexpr, JOINED: tl.constexpr,
                        SCALED: tl.constexpr):
     """The sum over s = 0, 1, .. SPLIT - 1 of part[s] (FP32, always in that order), times `scale`
-    when SCALED, written cast to out, or with PARTS as its BF16 parts hi, mid, lo in three planes
-    of out, out_plane apart. part[s] holds rows of `cols` elements; out takes them out_rows apart
-    and their elements out_cols apart (not 1: a transposed out, without PARTS). JOINED: the parts
-    also go to rows of `joined` (joined_rows apart) as hi, mid, hi in three blocks of their
-    columns' width: columns below `left` at 0, the others at `right` (`kernels.lora`'s joined
-    operand)."""
+    when SCALED, written cast to out, or with PARTS as its BF16 parts (`store_parts`, into
+    `joined` too when JOINED). part[s] holds rows of `cols` elements; out takes them out_rows
+    apart and their elements out_cols apart (not 1: a transposed out, without PARTS)."""
     after_prior()
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < numel
@@ -31,22 +28,42 @@ def _sum_splits_kernel(part, out, numel, cols, out_plane, out_rows, out_cols, sc
         acc += tl.load(ptr, mask=mask, other=0.0)
     if SCALED:
         acc = scaled(acc, scale)
-    at = out + (offs // cols) * out_rows + (offs % cols) * out_cols
     if PARTS:
-        hi, mid, lo = bf16_parts(acc)
-        tl.store(at, hi, mask=mask)
-        tl.store(at + out_plane, mid, mask=mask)
-        tl.store(at + 2 * out_plane, lo, mask=mask)
-        if JOINED:
-            col = offs % cols
-            first = col < left
-            width = tl.where(first, left, cols - left)
-            at = joined + (offs // cols) * joined_rows + tl.where(first, col, right + col - left)
-            tl.store(at, hi, mask=mask)
-            tl.store(at + width, mid, mask=mask)
-            tl.store(at + 2 * width, hi, mask=mask)
+        store_parts(acc, offs // cols, offs % cols, mask, out, out_plane, out_rows, joined, joined_rows, cols, left,
+                    right, JOINED)
     else:
-        tl.store(at, acc.to(out.dtype.element_ty), mask=mask)
+        tl.store(out + (offs // cols) * out_rows + (offs % cols) * out_cols, acc.to(out.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def store_parts(acc, row, col, mask, out, out_plane, out_rows, joined, joined_rows, cols, left, right,
+                JOINED: tl.constexpr):
+    """acc's BF16 parts hi, mid, lo (`fp32.bf16_parts`) at (row, col) of three planes of out,
+    out_plane apart, rows out_rows apart and a unit column stride. JOINED: also at `row` of
+    `joined` (joined_rows apart) as hi, mid, hi in three blocks of the columns' width, of `cols`
+    columns those below `left` at 0 and the others at `right` (`kernels.lora`'s joined operand)."""
+    hi, mid, lo = bf16_parts(acc)
+    at = out + row * out_rows + col
+    tl.store(at, hi, mask=mask)
+    tl.store(at + out_plane, mid, mask=mask)
+    tl.store(at + 2 * out_plane, lo, mask=mask)
+    if JOINED:
+        first = col < left
+        width = tl.where(first, left, cols - left)
+        at = joined + row * joined_rows + tl.where(first, col, right + col - left)
+        tl.store(at, hi, mask=mask)
+        tl.store(at + width, mid, mask=mask)
+        tl.store(at + 2 * width, hi, mask=mask)
+
+
+def joined_args(joined: tuple[torch.Tensor, int] | None, cols: int, placeholder: torch.Tensor) -> tuple:
+    """`store_parts`'s (joined, joined_rows, left, right) for a sum of `cols` columns whose parts
+    also go to `joined` (x', left) as `sum_splits` describes (without: `placeholder`, never written)."""
+    if joined is None:
+        return placeholder, 0, 0, 0
+    wide, left = joined
+    assert wide.dtype == torch.bfloat16 and wide.stride(1) == 1
+    return wide, wide.stride(0), left, wide.shape[1] - 3 * (cols - left)
 
 
 def sum_splits(part: torch.Tensor, out: torch.Tensor | None = None,
@@ -79,15 +96,12 @@ def sum_splits(part: torch.Tensor, out: torch.Tensor | None = None,
     else:
         assert plane.dim() == 2 and (parts is None or plane.stride(1) == 1)
         rows, step = plane.stride()
-    if joined is not None:
-        assert parts is not None and joined[0].dtype == torch.bfloat16 and joined[0].stride(1) == 1
-        wide, left = joined
-        right = wide.shape[1] - 3 * (cols - left)
+    assert joined is None or parts is not None
     if numel:
         block = min(1024, max(32, triton.next_power_of_2(triton.cdiv(numel, TARGET_PROGRAMS))))
         _sum_splits_kernel[(triton.cdiv(numel, block),)](
             part, out, numel, cols, out.stride(0) if parts is not None else 0, rows, step, scale,
-            *((wide, wide.stride(0), left, right) if joined is not None else (out, 0, 0, 0)), SPLIT=part.shape[0],
-            BLOCK=block, PARTS=parts is not None, JOINED=joined is not None, SCALED=scale != 1.0,
-            num_warps=max(1, min(4, block // 128)), enable_fp_fusion=False, **launch_options(part.device))
+            *joined_args(joined, cols, out), SPLIT=part.shape[0], BLOCK=block, PARTS=parts is not None,
+            JOINED=joined is not None, SCALED=scale != 1.0, num_warps=max(1, min(4, block // 128)),
+            enable_fp_fusion=False, **launch_options(part.device))
     return out
