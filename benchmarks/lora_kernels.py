@@ -122,11 +122,18 @@ def _compile(job):
 
 
 def sweep(out, ops):
-    shapes = sorted(k for k in {k for widths in WIDTHS.values() for k in update_calls(*widths)} if k[0] in ops)
+    # Llama-3.2-1B's shapes first, and the rows written after each shape: a call cut short keeps them
+    shapes = list(dict.fromkeys(k for widths in WIDTHS.values() for k in sorted(update_calls(*widths)) if k[0] in ops))
+    rows = []
+
+    def save():
+        with open(out, "w") as f:
+            json.dump({"schema": "aner.lora_tiles/1", "date": datetime.date.today().isoformat(),
+                       "device": torch.cuda.get_device_name(0), "torch": torch.__version__, "rows": rows}, f, indent=1)
+
     jobs = [(op, N, R, grid(op)[i::3]) for op, N, R in shapes for i in range(3)]
     with ProcessPoolExecutor(15, mp_context=torch.multiprocessing.get_context("spawn")) as pool:
         list(pool.map(_compile, jobs))
-    rows = []
     for op, N, R in shapes:
         fn, ref, nbytes = operands(op, N, R)
         ref, scale = ref()
@@ -151,6 +158,7 @@ def sweep(out, ops):
         dflt = next(r for r in mine if r["default"])
         print(f"{op:14} N={N:<6} R={R:<3} default {dflt.get('ms', float('nan')) * 1e3:7.1f} us  "
               f"best {best['ms'] * 1e3:7.1f} us {best['variant']}  (floor {best['floor_ms'] * 1e3:.0f})", flush=True)
+        save()
     for model, widths in WIDTHS.items():
         calls = update_calls(*widths)
         layers = {"llama-3.2-1b": 16, "llama-3.1-8b": 32}[model]
@@ -166,9 +174,6 @@ def sweep(out, ops):
             shape_best = total(min((r for r in ok if (r["N"], r["R"]) == k[1:]), key=lambda r: r["ms"]) for k in mine)
             print(f"{model:13} {op:14} per update: default {total(r for r in ok if r['default']):6.2f} ms, "
                   f"best one {whole[v_best]:6.2f} ms ({v_best}), best per shape {shape_best:6.2f} ms", flush=True)
-    with open(out, "w") as f:
-        json.dump({"schema": "aner.lora_tiles/1", "date": datetime.date.today().isoformat(),
-                   "device": torch.cuda.get_device_name(0), "torch": torch.__version__, "rows": rows}, f, indent=1)
 
 
 def main():
