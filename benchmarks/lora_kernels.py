@@ -13,10 +13,11 @@ projections gives it (q, k, v and gate, up together), over a grid of tiles, warp
 stages and, for project and reduce_tokens, the number of parts of the reduced dimension
 (OP ...: only those ops); compiled first in parallel processes, then checked and timed
 one at a time, each as a replayed CUDA graph over operand copies that do not fit in L2. Each is
-timed as training runs it: project writing its output as BF16 parts (in one part by itself, in
-more by the ordered sum of the parts), expand around a GEMM base, writing the delta alone, which
-the base's GEMM then adds its product to. Prints, per model and op, the per-update time of the
-default tiles, of the best single variant and of the best per shape.
+timed as training runs it: project writing its output as BF16 parts and reduce_tokens its output
+times the adapter's scale (in one part by themselves, in more by the ordered sum of the parts),
+expand around a GEMM base, writing the delta alone, which the base's GEMM then adds its product
+to. Prints, per model and op, the per-update time of the default tiles, of the best single variant
+and of the best per shape.
 """
 import datetime
 import itertools
@@ -98,8 +99,9 @@ def operands(op, N, R):
     if op == "expand":                              # the delta alone, written in BF16
         return ((lambda t, i=0: L.expand(qp, w.t(), None, torch.bfloat16, t)),
                 lambda: (q.double() @ w.double(), q.double().abs() @ w.double().abs()), p.numel() * 2)
-    return ((lambda t, i=0: L.reduce_tokens(ps[i], qp, t)),
-            lambda: (p.double().t() @ q.double(), p.double().abs().t() @ q.double().abs()), p.numel() * 2)
+    # dB: times the adapter's scale (alpha 32 / rank 16)
+    return ((lambda t, i=0: L.reduce_tokens(ps[i], qp, t, scale=2.0)),
+            lambda: (2 * p.double().t() @ q.double(), 2 * p.double().abs().t() @ q.double().abs()), p.numel() * 2)
 
 
 def bench_graphed(fn, copies):

@@ -182,7 +182,7 @@ def test_parts_written_by_project(split):
     r, tiles = sum(ranks), L.Tiles(32, 64, split=split, tc=not INTERPRET)
     p = torch.randn(M, K, device=DEV).bfloat16()
     w = torch.randn(r, K, device=DEV) / K ** 0.5
-    assert L._parts(2, 5, split) == (split, 2 if split == 3 else 5)
+    assert L._parts(-(-M // 32), -(-K // 64), split)[0] == split
     runs, unwritten = [], 2.0 ** 100
     for by_project in (True, False):
         wide = torch.full((M, 3 * r + K), unwritten, device=DEV, dtype=torch.bfloat16)
@@ -197,6 +197,26 @@ def test_parts_written_by_project(split):
     assert torch.equal(planes, ref_planes) and torch.equal(wide, ref_wide)
     assert (planes[:, :, :2] == unwritten).all() and (planes[:, :, 2 + r:] == unwritten).all()
     assert not (wide == unwritten).any() and not (planes[:, :, 2:2 + r] == unwritten).any()
+
+
+@pytest.mark.parametrize("split", [1, 3])
+def test_scaled_gradients_written_by_reduce_tokens(split):
+    """In one part, reduce_tokens writes scale * p^T q itself, transposed or not (no ordered sum to
+    make): the bits of torch's product of its unscaled output and the scale, as at three parts;
+    the products to FP32 accuracy, and zeros for no tokens."""
+    M, n, r = (300, 576, 16) if not INTERPRET else (37, 24, 5)
+    tiles = L.Tiles(16, 16, split=split, tc=False)
+    assert L._parts(-(-n // 16), -(-M // 16), split)[0] == split
+    g = torch.randn(M, n, device=DEV)
+    q = torch.randn(M, r, device=DEV)
+    parts = L.to_parts(q)
+    db = L.reduce_tokens(g, parts, tiles)
+    close(db, g.double().t() @ q.double(), g.double().abs().t() @ q.double().abs(), torch.float32)
+    scaled = L.reduce_tokens(g, parts, tiles, scale=2 / 3)
+    assert torch.equal(scaled, db * (2 / 3))
+    dbt = L.reduce_tokens(g, parts, tiles, scale=2 / 3, transposed=True)
+    assert dbt.is_contiguous() and torch.equal(dbt, scaled.t())
+    assert torch.equal(L.reduce_tokens(g[:0], parts[:, :0], tiles, scale=2 / 3), torch.zeros(n, r, device=DEV))
 
 
 @pytest.mark.skipif(INTERPRET, reason="BF16 products: GPU only")

@@ -151,12 +151,14 @@ def _whole(hi, mid, lo):
 
 
 @triton.jit
-def _reduce_tokens_kernel(p, q, part, M, N, R, q_plane, q_rows, STEPS: tl.constexpr,
+def _reduce_tokens_kernel(p, q, part, M, N, R, q_plane, q_rows, out_rows, out_cols, scale, STEPS: tl.constexpr,
                           BM: tl.constexpr, BN: tl.constexpr, RP: tl.constexpr, P_BF16: tl.constexpr,
-                          TC: tl.constexpr):
+                          TC: tl.constexpr, WHOLE: tl.constexpr, SCALED: tl.constexpr):
     """part[s] (N, R) FP32 = p[rows of part s]^T @ q[rows of part s] for p (M, N) and q (M, R)
     given by its three BF16 parts (planes q_plane apart, rows q_rows apart); part s is rows
-    [s, s + 1) * STEPS * BM."""
+    [s, s + 1) * STEPS * BM. WHOLE (one part, all M rows): written instead as the result, times
+    `scale` when SCALED (`fp32.scaled`), at rows out_rows and columns out_cols apart, as the
+    ordered sum of parts writes it."""
     after_prior()
     offs_n = tl.program_id(0) * BN + tl.arange(0, BN)
     pid_s = tl.program_id(1)
@@ -174,8 +176,13 @@ def _reduce_tokens_kernel(p, q, part, M, N, R, q_plane, q_rows, STEPS: tl.conste
             acc = parts_dot(tl.trans(pt), hi, mid, lo, acc, P_BF16)
         else:
             acc = fp32_dot(tl.trans(pt), _whole(hi, mid, lo), acc, P_BF16, False)
-    tl.store(part + pid_s.to(tl.int64) * N * R + offs_n[:, None] * R + offs_r[None, :], acc,
-             mask=n_mask[:, None] & r_mask[None, :])
+    mask = n_mask[:, None] & r_mask[None, :]
+    if WHOLE:
+        if SCALED:
+            acc = scaled(acc, scale)
+        tl.store(part + offs_n[:, None] * out_rows + offs_r[None, :] * out_cols, acc, mask=mask)
+    else:
+        tl.store(part + pid_s.to(tl.int64) * N * R + offs_n[:, None] * R + offs_r[None, :], acc, mask=mask)
 
 
 @triton.jit
@@ -281,21 +288,22 @@ def reduce_tokens(p: torch.Tensor, q: torch.Tensor, tiles: Tiles | None = None, 
     (a contiguous tensor either way), for q given by its BF16 parts (3, M, R) (rows of any stride:
     `project` writes them, `to_parts` makes them), made once and loaded by every program rather
     than split in each. The token dimension is split in a fixed number of parts summed in order;
-    the scale multiplies that sum (one more rounding: torch's product of the sum and the float)."""
+    the scale multiplies that sum (one more rounding: torch's product of the sum and the float). In
+    one part the kernel writes the scaled result itself."""
     M, N = p.shape
     R = _check_parts(q, M)
     t = tiles or default_tiles("reduce_tokens", R)
     split, per = _parts(triton.cdiv(N, t.bn), triton.cdiv(M, t.bm), t.split)
-    part = (torch.empty if M else torch.zeros)(split, N, R, device=p.device, dtype=torch.float32)
+    whole = M > 0 and split == 1                               # no sum to make: the kernel writes the result
+    out = torch.empty((R, N) if transposed else (N, R), device=p.device, dtype=torch.float32)
+    part = out if whole else (torch.empty if M else torch.zeros)(split, N, R, device=p.device, dtype=torch.float32)
     if M:         # every program writes its part's tile: every element is written
         _reduce_tokens_kernel[(triton.cdiv(N, t.bn), split)](
-            p, q, part, M, N, R, q.stride(0), q.stride(1), STEPS=per, BM=t.bm, BN=t.bn, RP=_rank_tile(R),
-            P_BF16=p.dtype == torch.bfloat16, TC=t.tc, num_warps=t.warps, num_stages=t.stages,
-            **launch_options(p.device))
-    if not transposed:
-        return sum_splits(part, scale=scale)
-    out = torch.empty(R, N, device=p.device, dtype=torch.float32)
-    sum_splits(part, out=out.t(), scale=scale)
+            p, q, part, M, N, R, q.stride(0), q.stride(1), *(out.t() if transposed else out).stride(), scale,
+            STEPS=per, BM=t.bm, BN=t.bn, RP=_rank_tile(R), P_BF16=p.dtype == torch.bfloat16, TC=t.tc, WHOLE=whole,
+            SCALED=scale != 1.0, num_warps=t.warps, num_stages=t.stages, **launch_options(p.device))
+    if not whole:
+        sum_splits(part, out=out.t() if transposed else out, scale=scale)
     return out
 
 
