@@ -33,8 +33,9 @@ are carried as their exact BF16 parts (hi, mid, lo: three (M, r) planes), which 
 that ends project writes (project itself, when it makes one part); expand and reduce_tokens load
 them where they would otherwise split the same (M, r) tile again in every one of their programs
 (the same bits). `expand` rounds its output once. Reductions over a long dimension are split into
-a fixed number of parts that a second kernel sums in order. Tiles and splits are fixed functions of the shapes: the same inputs
-give the same bits on every run. The pure-torch reference is the unfused path in `aner.adapters`.
+a fixed number of parts that a second kernel sums in order. Tiles and splits are fixed functions
+of the shapes: the same inputs give the same bits on every run. The pure-torch reference is the
+unfused path in `aner.adapters`.
 """
 import itertools
 from dataclasses import dataclass
