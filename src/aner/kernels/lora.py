@@ -236,8 +236,8 @@ def project(p: torch.Tensor, w: torch.Tensor, tiles: Tiles | None = None,
     R = w.shape[0]
     t = tiles or default_tiles("project", R)
     split, per = _parts(triton.cdiv(M, t.bm), triton.cdiv(N, t.bn), t.split)
-    direct = parts is not None and split == 1                  # no sum to make: the kernel writes the parts
-    if direct:
+    whole = parts is not None and split == 1                   # no sum to make: the kernel writes the parts
+    if whole:
         assert parts.dtype == torch.bfloat16 and parts.shape == (3, M, R) and parts.stride(2) == 1
         out = parts
     else:
@@ -246,11 +246,11 @@ def project(p: torch.Tensor, w: torch.Tensor, tiles: Tiles | None = None,
     if M:
         _project_kernel[(triton.cdiv(M, t.bm), split)](
             p, w, out, copy, copy.stride(0), M, N, R, w.stride(0), w.stride(1), scale, out.stride(0),
-            out.stride(1), *joined_args(joined if direct else None, R, out), STEPS=per, BM=t.bm, BN=t.bn,
+            out.stride(1), *joined_args(joined if whole else None, R, out), STEPS=per, BM=t.bm, BN=t.bn,
             RP=_rank_tile(R), P_BF16=p.dtype == torch.bfloat16, TC=t.tc, COPY=joined is not None,
-            SCALED=scale != 1.0, PARTS=direct, JOINED=direct and joined is not None, num_warps=t.warps,
+            SCALED=scale != 1.0, PARTS=whole, JOINED=whole and joined is not None, num_warps=t.warps,
             num_stages=t.stages, **launch_options(p.device))
-    return out if direct else sum_splits(out, parts=parts, joined=joined)
+    return out if whole else sum_splits(out, parts=parts, joined=joined)
 
 
 def to_parts(q: torch.Tensor) -> torch.Tensor:
