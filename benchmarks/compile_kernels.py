@@ -1,0 +1,226 @@
+"""The kernels' tests under Triton's CPU interpreter, then every kernel variant they launched
+compiled for a GPU that is not here: does it compile with the installed Triton, with how many
+registers and how much stack a thread, and does it wait for the kernel before it first
+(`wait_first.py`'s rule, on its PTX). `make test` runs it so.
+
+    python3 benchmarks/compile_kernels.py [--all] [--out OUT.json] [--arch 90] [pytest arguments]
+
+A child process runs the tests (default: the kernels' files) under the interpreter and records
+every launch of the package's kernels: the kernel and its arguments as the JIT specializes them (a
+tensor's dtype and whether its address is a multiple of 16, a number as it is). Each launch is
+then compiled by the JIT's own specialization and compiler for sm_<arch>, with no device (Triton
+is told the target), as a GPU launches it: with what a GPU's defaults choose where the interpreter
+cannot (`GPU_CHOICES`) and the launch option a Hopper GPU passes. Exits non-zero if a test fails,
+or a variant fails to compile, or (for Hopper) does not wait first. `--all` also runs the BF16 cases
+the interpreter skips, for their launches (their checks may fail there, and do not count), and
+compiles each launch as the interpreter ran it too."""
+import argparse
+import json
+import os
+import pathlib
+import pickle
+import re
+import subprocess
+import sys
+import tempfile
+
+import torch
+
+HERE = pathlib.Path(__file__).resolve().parent
+KERNEL_TESTS = ["tests/test_kernels.py", "tests/test_lora_kernels.py", "tests/test_layer_kernels.py",
+                "tests/test_attention.py", "tests/test_cross_entropy_kernel.py", "tests/test_adamw_kernel.py"]
+# What a GPU's defaults choose where the interpreter cannot run them: products on the tensor cores
+# through BF16 parts (the interpreter's numpy has no BF16) and the NF4 decode's inline-PTX table.
+GPU_CHOICES = {"TC": True, "LUT": 3}
+RESOURCES = re.compile(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)")
+
+
+class Recorder:
+    """A pytest plugin for the child: each interpreted launch of a package kernel, and the tests'
+    outcome; with `everything`, the BF16 cases' skips lifted."""
+
+    def __init__(self, out: str, everything: bool):
+        self.out, self.everything, self.launches = out, everything, set()
+
+    def pytest_configure(self, config):
+        import pytest
+        from triton.runtime.interpreter import InterpretedFunction
+        run, skip, launches = InterpretedFunction.run, pytest.skip, self.launches
+
+        def recorded(fn, *args, grid, warmup, **kwargs):
+            if fn.fn.__module__.startswith("aner."):
+                launches.add((fn.fn.__module__, fn.fn.__qualname__, tuple(map(_arg, args)),
+                              tuple(sorted((k, _arg(v)) for k, v in kwargs.items()))))
+            return run(fn, *args, grid=grid, warmup=warmup, **kwargs)
+
+        def skip_but_bf16(reason="", **kwargs):
+            if "BF16" not in str(reason):
+                skip(reason, **kwargs)
+
+        skip_but_bf16.Exception = skip.Exception
+        InterpretedFunction.run = recorded
+        if self.everything:
+            pytest.skip = skip_but_bf16
+
+    def pytest_collection_modifyitems(self, items):
+        for item in items if self.everything else ():
+            item.own_markers[:] = [m for m in item.own_markers
+                                   if not (m.name == "skipif" and "BF16" in str(m.kwargs.get("reason", "")))]
+
+    def pytest_sessionfinish(self, session, exitstatus):
+        outcome = {"collected": session.testscollected, "failed": session.testsfailed, "exit": int(exitstatus)}
+        pathlib.Path(self.out).write_bytes(pickle.dumps((outcome, sorted(self.launches, key=repr))))
+
+
+def _arg(value):
+    if isinstance(value, torch.Tensor):
+        return ("tensor", str(value.dtype).removeprefix("torch."), value.data_ptr() % 16 == 0)
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return ("repr", repr(value))
+
+
+def _brief(args, options) -> dict:
+    return {"arguments": [a for a in args if not isinstance(a, tuple)],
+            "options": {a: v for a, v in options.items() if not isinstance(v, torch.Tensor)}}
+
+
+def _tensor(dtype: str, aligned: bool) -> torch.Tensor:
+    t = torch.empty(64, dtype=getattr(torch, dtype))
+    return t if aligned else t[1:]
+
+
+def _value(arg):
+    if isinstance(arg, tuple) and arg[0] == "tensor":
+        return _tensor(*arg[1:])
+    if isinstance(arg, tuple):
+        raise ValueError(f"argument not recorded: {arg[1]}")
+    return arg
+
+
+def _options(kwargs, arch: int, on_gpu: bool) -> dict:
+    """A launch's keyword arguments: as recorded, or with a GPU's choices; and the launch option a
+    Hopper GPU's launch passes (`launch.launch_options`; the interpreter's launches ask none)."""
+    options = {a: _value(v) for a, v in kwargs}
+    if on_gpu:
+        options.update({a: v for a, v in GPU_CHOICES.items() if a in options})
+    if arch >= 90:
+        options["launch_pdl"] = True
+    return options
+
+
+class Absent:
+    """The driver of the GPU that is not here: its target, device 0, stream 0."""
+
+    def __init__(self, arch: int):
+        from triton.backends.compiler import GPUTarget
+        self.target = GPUTarget("cuda", arch, 32)
+
+    def get_current_target(self):
+        return self.target
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+
+def _resources(cubin: bytes, cuobjdump: pathlib.Path) -> dict:
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        text = subprocess.run([str(cuobjdump), "--dump-resource-usage", f.name], capture_output=True,
+                              text=True, check=True).stdout
+    reg, stack, shared, local = map(int, RESOURCES.search(text).groups())
+    return {"registers": reg, "stack": stack, "shared": shared, "local": local}
+
+
+def compile_all(launches, arch: int, everything: bool) -> dict:
+    import importlib
+
+    import triton
+    from triton.runtime import driver
+    from wait_first import first_lines
+
+    driver.set_active(Absent(arch))
+    cuobjdump = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    kernels, seen = {}, set()
+    for module, name, args, kwargs in launches:
+        k = kernels.setdefault(name, {"launches": 0, "variants": 0, "failed": [], "registers": [], "stack": 0,
+                                      "local": 0, "waits_first": 0, "no_wait": 0, "memory_before_wait": 0,
+                                      "with_stack": []})
+        k["launches"] += 1
+        fn = getattr(importlib.import_module(module), name)
+        for on_gpu in (False, True) if everything else (True,):
+            try:
+                options = _options(kwargs, arch, on_gpu)
+                compiled = fn.run(*map(_value, args), grid=None, warmup=True, **options)
+            except Exception as e:      # noqa: BLE001 (each failure is reported, and fails the run)
+                k["failed"].append(f"{_brief(args, dict(kwargs))}: {type(e).__name__}: {str(e)[:300]}")
+                continue
+            if compiled.hash in seen:
+                continue
+            seen.add(compiled.hash)
+            k["variants"] += 1
+            r = _resources(compiled.asm["cubin"], cuobjdump)
+            k["registers"] = sorted({*k["registers"], r["registers"]})
+            k["stack"], k["local"] = max(k["stack"], r["stack"]), max(k["local"], r["local"])
+            if r["stack"]:
+                k["with_stack"].append({**r, **_brief(args, options)})
+            _, wait, memory = first_lines(compiled.asm["ptx"])
+            if wait is None:
+                k["no_wait"] += 1
+            elif memory is None or wait < memory:
+                k["waits_first"] += 1
+            else:
+                k["memory_before_wait"] += 1
+    return kernels
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--all", action="store_true", help="BF16 cases too, and each launch as interpreted")
+    parser.add_argument("--out", help="a JSON record of every kernel's variants")
+    parser.add_argument("--arch", type=int, default=90)
+    parser.add_argument("--record", help=argparse.SUPPRESS)      # the child: where to write the launches
+    opts, pytest_args = parser.parse_known_args()
+    if opts.record:
+        import pytest
+        return pytest.main(["-q", "-p", "no:cacheprovider", *pytest_args], plugins=[Recorder(opts.record, opts.all)])
+    root = HERE.parent
+    sys.path[:0] = [str(root / "src")]
+    pytest_args = pytest_args or KERNEL_TESTS
+    with tempfile.TemporaryDirectory() as tmp:
+        record = pathlib.Path(tmp) / "launches.pkl"
+        env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": f"{root / 'src'}{os.pathsep}{root / 'tests'}"}
+        child = [sys.executable, __file__, "--record", str(record), *(["--all"] if opts.all else []), *pytest_args]
+        tests = subprocess.run(child, cwd=root, env=env, stdout=subprocess.DEVNULL if opts.all else None)
+        if not record.exists():
+            return tests.returncode or 2
+        outcome, launches = pickle.loads(record.read_bytes())
+        if tests.returncode and not opts.all:
+            return tests.returncode
+        os.environ["TRITON_CACHE_DIR"] = os.path.join(tmp, "cache")
+        os.environ.pop("TRITON_INTERPRET", None)        # compiled here, not interpreted
+        import triton
+        kernels = compile_all(launches, opts.arch, opts.all)
+    failed = sorted(n for n, k in kernels.items()
+                    if k["failed"] or k["memory_before_wait"] or (opts.arch >= 90 and k["no_wait"]))
+    for name, k in sorted(kernels.items()):
+        registers = f"{k['registers'][0]}-{k['registers'][-1]}" if k["registers"] else "-"
+        print(f"{name:24} {k['launches']:4} launches {k['variants']:4} variants  registers {registers}  "
+              f"stack <= {k['stack']}  wait first {k['waits_first']}/{k['variants']}"
+              + "".join(f"\n    FAILED {f}" for f in k["failed"]))
+    if opts.out:
+        pathlib.Path(opts.out).write_text(json.dumps(
+            {"schema": "aner.compile_kernels/1", "triton": triton.__version__, "arch": opts.arch, "all": opts.all,
+             "tests": pytest_args, "outcome": outcome, "launches": len(launches), "kernels": kernels,
+             "failed": failed}, indent=1))
+    print(f"Triton {triton.__version__}, sm_{opts.arch}: {len(launches)} launches of {len(kernels)} kernels, "
+          f"{sum(k['variants'] for k in kernels.values())} variants; failed: {failed or 'none'}")
+    return 1 if failed or not kernels else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
