@@ -15,6 +15,8 @@ or a variant fails to compile, or (for Hopper) does not wait first. `--all` also
 the interpreter skips, for their launches (their checks may fail there, and do not count), and
 compiles each launch as the interpreter ran it too."""
 import argparse
+import concurrent.futures
+import itertools
 import json
 import os
 import pathlib
@@ -137,6 +139,18 @@ def _resources(cubin: bytes, cuobjdump: pathlib.Path) -> dict:
 
 
 def compile_all(launches, arch: int, everything: bool) -> dict:
+    """Every kernel's launches compiled, the kernels shared out among a process a core."""
+    by_kernel, shares = {}, [[] for _ in range(os.cpu_count() or 1)]
+    for launch in launches:
+        by_kernel.setdefault(launch[1], []).append(launch)
+    for group in sorted(by_kernel.values(), key=len, reverse=True):
+        min(shares, key=len).extend(group)
+    with concurrent.futures.ProcessPoolExecutor(len(shares)) as pool:
+        parts = pool.map(_compile, [s for s in shares if s], itertools.repeat(arch), itertools.repeat(everything))
+        return dict(sorted(kv for part in parts for kv in part.items()))
+
+
+def _compile(launches, arch: int, everything: bool) -> dict:
     import importlib
 
     import triton
