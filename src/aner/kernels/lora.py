@@ -297,14 +297,15 @@ def reduce_tokens(p: torch.Tensor, q: torch.Tensor, tiles: Tiles | None = None, 
     split, per = _parts(triton.cdiv(N, t.bn), triton.cdiv(M, t.bm), t.split)
     whole = M > 0 and split == 1                               # no sum to make: the kernel writes the result
     out = torch.empty((R, N) if transposed else (N, R), device=p.device, dtype=torch.float32)
+    nr = out.t() if transposed else out                         # the result as (N, R), at out's strides
     part = out if whole else (torch.empty if M else torch.zeros)(split, N, R, device=p.device, dtype=torch.float32)
     if M:         # every program writes its part's tile: every element is written
         _reduce_tokens_kernel[(triton.cdiv(N, t.bn), split)](
-            p, q, part, M, N, R, q.stride(0), q.stride(1), *(out.t() if transposed else out).stride(), scale,
+            p, q, part, M, N, R, q.stride(0), q.stride(1), *nr.stride(), scale,
             STEPS=per, BM=t.bm, BN=t.bn, RP=_rank_tile(R), P_BF16=p.dtype == torch.bfloat16, TC=t.tc, WHOLE=whole,
             SCALED=scale != 1.0, num_warps=t.warps, num_stages=t.stages, **launch_options(p.device))
     if not whole:
-        sum_splits(part, out=out.t() if transposed else out, scale=scale)
+        sum_splits(part, out=nr, scale=scale)
     return out
 
 
