@@ -1,6 +1,6 @@
 """Fused low-rank adapter kernels against the same FP32 products written with torch ops, on a GPU.
 
-    PYTHONPATH=src python3 benchmarks/lora_kernels.py OUT.json [--sweep [OP ...]]
+    PYTHONPATH=src python3 benchmarks/lora_kernels.py OUT.json [--sweep [OP ...] | --sums]
 
 One adapter's forward and backward at the training shapes (8192 tokens, rank 16, BF16
 activations; Llama-3.2-1B's 2048 and 8192 widths): each op and tile variant is first checked on
@@ -18,6 +18,11 @@ times the adapter's scale (in one part by themselves, in more by the ordered sum
 expand around a GEMM base, writing the delta alone, which the base's GEMM then adds its product
 to. Prints, per model and op, the per-update time of the default tiles, of the best single variant
 and of the best per shape.
+
+--sums: project and reduce_tokens at every such shape with the default tiles, timed as the sweep
+times them, their parts summed by the last program of each tile against a second launch
+(`splits.sum_splits`, what runs where the counts are not available): the same bits asserted, the
+time of each and, per model, an update's.
 """
 import datetime
 import itertools
@@ -29,6 +34,7 @@ import torch
 import triton.testing
 
 from aner.kernels import lora as L
+from aner.kernels import splits
 
 M, R = 8192, 16
 BANDWIDTH = 4.8e12
@@ -178,7 +184,38 @@ def sweep(out, ops):
                   f"best one {whole[v_best]:6.2f} ms ({v_best}), best per shape {shape_best:6.2f} ms", flush=True)
 
 
+def sums(out):
+    rows, counts = [], splits.COUNTS
+    shapes = list(dict.fromkeys(k for widths in WIDTHS.values() for k in sorted(update_calls(*widths))
+                                if k[0] != "expand"))
+    for op, N, R in shapes:
+        fn, _, _ = operands(op, N, R)
+        copies = -(-2 ** 27 // (M * N * 2))
+        t = L.default_tiles(op, R)
+        row, bits = {"op": op, "N": N, "R": R, "variant": str(t)}, []
+        for name, n in (("last_program", counts), ("second_launch", 0)):
+            splits.COUNTS = n                       # 0: no counts, the parts summed by a second launch
+            bits.append(fn(t).clone())
+            row[f"{name}_ms"] = bench_graphed(lambda i: fn(t, i), copies)
+        splits.COUNTS = counts
+        row["same_bits"] = torch.equal(*bits)
+        rows.append(row)
+        print(f"{op:14} N={N:<6} R={R:<3} last program {row['last_program_ms'] * 1e3:6.1f} us, second launch "
+              f"{row['second_launch_ms'] * 1e3:6.1f} us, same bits {row['same_bits']}", flush=True)
+    for model, widths in WIDTHS.items():
+        calls = update_calls(*widths)
+        layers = {"llama-3.2-1b": 16, "llama-3.1-8b": 32}[model]
+        for name in ("last_program", "second_launch"):
+            ms = sum(r[f"{name}_ms"] * calls.get((r["op"], r["N"], r["R"]), 0) * layers for r in rows)
+            print(f"{model:13} project and reduce_tokens, {name}: {ms:6.2f} ms an update", flush=True)
+    with open(out, "w") as f:
+        json.dump({"schema": "aner.lora_sums/1", "date": datetime.date.today().isoformat(),
+                   "device": torch.cuda.get_device_name(0), "torch": torch.__version__, "rows": rows}, f, indent=1)
+
+
 def main():
+    if "--sums" in sys.argv:
+        return sums(sys.argv[1])
     if "--sweep" in sys.argv:
         return sweep(sys.argv[1], sys.argv[sys.argv.index("--sweep") + 1:] or ["project", "expand", "reduce_tokens"])
     out = sys.argv[1]
