@@ -21,8 +21,8 @@ and of the best per shape.
 
 --sums: project and reduce_tokens at every such shape with the default tiles, timed as the sweep
 times them, their parts summed by the last program of each tile against a second launch
-(`splits.sum_splits`, what runs where the counts are not available): the same bits asserted, the
-time of each and, per model, an update's.
+(`splits.sum_splits`), whatever the number of parts: the same bits checked, the time of each and,
+per model, an update's with each and with the default's choice (`splits.LAST_PARTS`).
 """
 import datetime
 import itertools
@@ -185,32 +185,43 @@ def sweep(out, ops):
 
 
 def sums(out):
-    rows, counts = [], splits.COUNTS
+    rows, rule = [], splits.LAST_PARTS
     shapes = list(dict.fromkeys(k for widths in WIDTHS.values() for k in sorted(update_calls(*widths))
                                 if k[0] != "expand"))
     for op, N, R in shapes:
         fn, _, _ = operands(op, N, R)
         copies = -(-2 ** 27 // (M * N * 2))
         t = L.default_tiles(op, R)
-        row, bits = {"op": op, "N": N, "R": R, "variant": str(t)}, []
-        for name, n in (("last_program", counts), ("second_launch", 0)):
-            splits.COUNTS = n                       # 0: no counts, the parts summed by a second launch
+        tiles, steps = (-(-M // t.bm), -(-N // t.bn)) if op == "project" else (-(-N // t.bn), -(-M // t.bm))
+        parts = L._parts(tiles, steps, t.split)[0]
+        row, bits = {"op": op, "N": N, "R": R, "variant": str(t), "parts": parts,
+                     "default": "last_program" if 1 < parts <= rule else "second_launch"}, []
+        # every sum by its tile's last program, then every sum by a second launch (no counts)
+        for name, setting, value in (("last_program", "LAST_PARTS", 1 << 10), ("second_launch", "COUNTS", 0)):
+            kept = getattr(splits, setting)
+            setattr(splits, setting, value)
             bits.append(fn(t).clone())
             row[f"{name}_ms"] = bench_graphed(lambda i: fn(t, i), copies)
-        splits.COUNTS = counts
+            setattr(splits, setting, kept)
         row["same_bits"] = torch.equal(*bits)
         rows.append(row)
-        print(f"{op:14} N={N:<6} R={R:<3} last program {row['last_program_ms'] * 1e3:6.1f} us, second launch "
-              f"{row['second_launch_ms'] * 1e3:6.1f} us, same bits {row['same_bits']}", flush=True)
+        print(f"{op:14} N={N:<6} R={R:<3} {parts:3} parts: last program {row['last_program_ms'] * 1e3:6.1f} us, "
+              f"second launch {row['second_launch_ms'] * 1e3:6.1f} us (default: {row['default']}), "
+              f"same bits {row['same_bits']}", flush=True)
     for model, widths in WIDTHS.items():
         calls = update_calls(*widths)
         layers = {"llama-3.2-1b": 16, "llama-3.1-8b": 32}[model]
-        for name in ("last_program", "second_launch"):
-            ms = sum(r[f"{name}_ms"] * calls.get((r["op"], r["N"], r["R"]), 0) * layers for r in rows)
-            print(f"{model:13} project and reduce_tokens, {name}: {ms:6.2f} ms an update", flush=True)
+
+        def total(key):
+            return sum(r[key(r)] * calls.get((r["op"], r["N"], r["R"]), 0) * layers for r in rows)
+        last, second = total(lambda r: "last_program_ms"), total(lambda r: "second_launch_ms")
+        print(f"{model:13} project and reduce_tokens an update: every sum by a last program {last:6.2f} ms, "
+              f"by a second launch {second:6.2f}, the default (at most {rule} parts by a last program) "
+              f"{total(lambda r: r['default'] + '_ms'):6.2f}", flush=True)
     with open(out, "w") as f:
         json.dump({"schema": "aner.lora_sums/1", "date": datetime.date.today().isoformat(),
-                   "device": torch.cuda.get_device_name(0), "torch": torch.__version__, "rows": rows}, f, indent=1)
+                   "device": torch.cuda.get_device_name(0), "torch": torch.__version__, "last_parts": rule,
+                   "rows": rows}, f, indent=1)
 
 
 def main():

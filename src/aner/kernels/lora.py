@@ -33,9 +33,10 @@ are carried as their exact BF16 parts (hi, mid, lo: three (M, r) planes), which 
 expand and reduce_tokens load them where they would otherwise split the same (M, r) tile again in
 every one of their programs (the same bits). `expand` rounds its output once. Reductions over a
 long dimension are split into a fixed number of parts, summed in order by the last of a tile's
-programs to finish (`splits.last_part`: no second launch; the same bits as one). Tiles and
-splits are fixed functions of the shapes: the same inputs give the same bits on every run. The
-pure-torch reference is the unfused path in `aner.adapters`.
+programs to finish (`splits.last_part`: no second launch) where they are few, by a second launch
+where they are many (`splits.tile_counts`), the same bits either way. Tiles and splits are fixed
+functions of the shapes: the same inputs give the same bits on every run. The pure-torch reference
+is the unfused path in `aner.adapters`.
 """
 import itertools
 from dataclasses import dataclass
@@ -273,7 +274,7 @@ def project(p: torch.Tensor, w: torch.Tensor, tiles: Tiles | None = None,
     else:
         assert parts.dtype == torch.bfloat16 and parts.shape == (3, M, R) and parts.stride(2) == 1
         out = parts
-    count = tile_counts(p.device, triton.cdiv(M, t.bm)) if split > 1 else None
+    count = tile_counts(p.device, triton.cdiv(M, t.bm), split)
     part = out if split == 1 else torch.empty(split, M, R, device=p.device, dtype=torch.float32)
     copy = p if joined is None else joined[0][:, 3 * joined[1]:3 * joined[1] + N]
     if M:
@@ -333,7 +334,7 @@ def reduce_tokens(p: torch.Tensor, q: torch.Tensor, tiles: Tiles | None = None, 
     nr = out.t() if transposed else out                         # the result as (N, R), at out's strides
     if not M:
         return out.zero_()
-    count = tile_counts(p.device, triton.cdiv(N, t.bn)) if split > 1 else None
+    count = tile_counts(p.device, triton.cdiv(N, t.bn), split)
     part = out if split == 1 else torch.empty(split, N, R, device=p.device, dtype=torch.float32)
     # every program writes its part's tile: every element is written
     _reduce_tokens_kernel[(triton.cdiv(N, t.bn), split)](

@@ -57,20 +57,28 @@ def last_part(count, tile, SPLIT: tl.constexpr):
 
 _COUNTS: dict = {}
 COUNTS = 1 << 16          # tiles a launch may count (project: tokens / its rows a tile)
+# The most parts a tile's last program sums: it sums them alone, and the compiler keeps about one
+# part's loads in flight a thread while it adds (the SASS of reduce_tokens' sum of 64 parts), so
+# that a tile of many parts waits for L2 once a part; a second launch spreads the sum over
+# hundreds of programs (an estimate from the loads' latency; `lora_kernels.py --sums` measures it).
+LAST_PARTS = 8
 
 
-def tile_counts(device: torch.device, tiles: int) -> torch.Tensor | None:
-    """`last_part`'s counts for a launch of `tiles` tiles on `device`: int32, all 0 between launches
-    (made once a device; the kernels of a device run in one stream's order, each after the one
-    before it has finished, so no two launches count at once). None where there are more tiles
-    than COUNTS, or where they would first be made inside a CUDA graph's capture: the caller then
-    sums its parts in a second launch (`sum_splits`), the same bits."""
+def tile_counts(device: torch.device, tiles: int, parts: int) -> torch.Tensor | None:
+    """`last_part`'s counts for a launch of `tiles` tiles of `parts` parts each on `device`: int32,
+    all 0 between launches (made once a device; the kernels of a device run in one stream's order,
+    each after the one before it has finished, so no two launches count at once). None for one
+    part, for more than LAST_PARTS parts or more tiles than COUNTS, or where the counts would first
+    be made inside a CUDA graph's capture: the caller then sums its parts in a second launch
+    (`sum_splits`), the same bits."""
+    if not 1 < parts <= LAST_PARTS or tiles > COUNTS:
+        return None
     counts = _COUNTS.get(device)
     if counts is None:
-        if tiles > COUNTS or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return None
         counts = _COUNTS[device] = torch.zeros(COUNTS, device=device, dtype=torch.int32)
-    return counts if tiles <= COUNTS else None
+    return counts
 
 
 @triton.jit
