@@ -194,8 +194,9 @@ def sums(out):
         t = L.default_tiles(op, R)
         tiles, steps = (-(-M // t.bm), -(-N // t.bn)) if op == "project" else (-(-N // t.bn), -(-M // t.bm))
         parts = L._parts(tiles, steps, t.split)[0]
+        by_last = splits.tile_counts(torch.device("cuda", 0), tiles, parts) is not None    # the default's choice
         row, bits = {"op": op, "N": N, "R": R, "variant": str(t), "parts": parts,
-                     "default": "last_program" if 1 < parts <= rule else "second_launch"}, []
+                     "default": "last_program" if by_last else "second_launch"}, []
         # every sum by its tile's last program, then every sum by a second launch (no counts)
         for name, setting, value in (("last_program", "LAST_PARTS", 1 << 10), ("second_launch", "COUNTS", 0)):
             kept = getattr(splits, setting)
