@@ -74,14 +74,7 @@
 #               COMBOS, default llama-3.2-1b:qlora) -> <date>-h200-replay-bits.json
 #   profile     where one update's GPU time goes (SmolLM2 and Llama-3.2-1B LoRA, eager loop:
 #               the kernels a recorded graph replays; PROFILES="model:method:eager ..." chooses)
-# Results land in $OUT. Prepare .whl (an ignored folder) here first:
-#   mkdir -p .whl && pip wheel --no-deps -w .whl llama-cpp-python==0.3.36   # CMAKE_ARGS as in the Makefile
-#   pip download --no-deps -d .whl gguf==0.19.0 diskcache==5.6.3 bitsandbytes==0.50.2
-#   pip download --no-deps -d .whl --only-binary=:all: --python-version 3.12 nvidia-cudnn-frontend==1.14.0
-#   (keep only libbitsandbytes_cpu.so and libbitsandbytes_cuda130.so in the bitsandbytes wheel)
-#   .venv/bin/python -c "from aner.formats.gguf import read_gguf, write_gguf; from aner.embedded import \
-#     ensure_default_model as m; g = read_gguf(m()); write_gguf('.whl/smollm2-tokenizer.gguf', \
-#     [f for k, f in g.fields.items() if k.startswith('tokenizer.') or k == 'general.architecture'], [])"
+# Results land in $OUT. Prepare .whl (an ignored folder) here first: bash benchmarks/carry.sh [OLD commit]
 set -uo pipefail
 GPU_TESTS="tests/test_gpu.py tests/test_kernels.py tests/test_lora_kernels.py tests/test_adamw_kernel.py tests/test_attention.py
            tests/test_layer_kernels.py tests/test_cross_entropy_kernel.py tests/test_launch.py"
