@@ -36,7 +36,8 @@
 #   ce          benchmarks/cross_entropy.py (the fused cross-entropy's variants; OLD: an earlier tree's too)
 #                                                                     -> <date>-h200-cross-entropy.json
 #   joined      benchmarks/joined_delta.py (an adapter's delta joined to its base's GEMM along K against
-#               expand's delta added by the GEMM)                     -> <date>-h200-joined-delta.json
+#               expand's delta added by the GEMM; then du @ A joined to a base's input gradient, o and down)
+#                                                                     -> <date>-h200-joined-delta.json
 #   bandwidth   benchmarks/adapter_bandwidth.py (project and reduce_tokens against cuBLAS on the same BF16
 #               parts and a plain read)                               -> <date>-h200-adapter-bandwidth.json
 #   joint       benchmarks/joint_gemms.py (a group's projections as one GEMM against one a weight) -> <date>-h200-joint-gemms.json

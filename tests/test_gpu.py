@@ -305,10 +305,11 @@ def test_decoded_kernel_trains_what_a_dense_base_of_its_weights_trains(tiny_path
 def test_joined_deltas_train_as_the_deltas_added(tiny_factory, data, monkeypatch):
     """QLoRA as the throughput rows run it (nf4_kernel="decoded_kept", the fused adapter kernels,
     BF16, rank 8 on all seven projections), on a model whose gate and up are twice x's width:
-    their deltas join the decoded products (`kernels.lora._joined`), the others' do not, and the
-    kept decodes are counted 3 r columns wider. The losses are those of a floating base holding
-    the decoded weights, where every delta is added, to 1e-3; recorded graphs give the eager bits,
-    and resume is exact."""
+    their deltas join the decoded products (`kernels.lora._joined`), the others' do not; down's
+    input is twice its output's width: du @ A joins its input gradient (`kernels.lora._joined_grad`),
+    no other's does; the kept decodes are counted 3 r columns or rows more along their longer side.
+    The losses are those of a floating base holding the decoded weights, where every delta is
+    added, to 1e-3; recorded graphs give the eager bits, and resume is exact."""
     from aner.kernels import lora
     tr, va = data
     path = tiny_factory(Shape(tied=False, n_layer=2, dim=64, n_head=4, n_kv_head=2, ffn_dim=128))
@@ -318,19 +319,26 @@ def test_joined_deltas_train_as_the_deltas_added(tiny_factory, data, monkeypatch
     profile = dict(precision="bfloat16", adapter_kernel="fused", layer_kernel="fused")
     lora_kw = dict(rank=8, seed=1, targets=list(ALIASES))
     kw = dict(micro_batch=2, rate=1e-3, seed=4)
-    joins, joined = [], lora._joined
+    joins, grads, joined, joined_grad = [], [], lora._joined, lora._joined_grad
 
     def spy(bases, *args):
         out = joined(bases, *args)
         joins.append((len(bases), out is not None))
         return out
+
+    def spy_grad(bases, x2d, *args):
+        out = joined_grad(bases, x2d, *args)
+        grads.append((len(bases), x2d.shape[1], out))
+        return out
     monkeypatch.setattr(lora, "_joined", spy)
+    monkeypatch.setattr(lora, "_joined_grad", spy_grad)
     src = packed.with_training_profile(nf4_kernel="decoded_kept", **profile).lora(**lora_kw)
     plain = packed.with_training_profile(nf4_kernel="decoded_kept", **profile).memory_summary()
-    rows = sum(packed._weights[n].shape[0] for n in src._method.config.targets)
-    assert src.memory_summary().dequant_tile_bytes == plain.dequant_tile_bytes + rows * 3 * 8 * 2
+    longer = sum(max(packed._weights[n].shape) for n in src._method.config.targets)
+    assert src.memory_summary().dequant_tile_bytes == plain.dequant_tile_bytes + longer * 3 * 8 * 2
     eager = src.fine_tune(tr, va, steps=4, **kw)
     assert set(joins) == {(3, False), (2, True), (1, False)}     # q, k, v; gate, up; o and down
+    assert set(grads) == {(3, 64, 0), (2, 64, 0), (1, 64, 0), (1, 128, 24)}     # the same; down's joins
     added = dense.with_training_profile(**profile).lora(**lora_kw).fine_tune(tr, va, steps=4, **kw)
     assert np.allclose(eager._state.losses, added._state.losses, rtol=1e-3, atol=0)
     graphed = src.with_training_profile(nf4_kernel="decoded_kept", cuda_graphs=True, **profile)

@@ -75,7 +75,7 @@ def _ptx(arch: int, monkeypatch, tmp_path) -> list[str]:
 
     monkeypatch.setattr(launch, "cuda_capability_geq", target_at_least)
     signature = {"b": "*fp32", "out": "*bf16", "N": "i32", "R": "i32", "stride_bn": "i32", "stride_br": "i32",
-                 "out_rows": "i32", "scale": "fp32", "BN": "constexpr", "RP": "constexpr"}
+                 "out_rows": "i32", "out_cols": "i32", "scale": "fp32", "BN": "constexpr", "RP": "constexpr"}
     src = ASTSource(fn=lora._spread_kernel, signature=signature, constexprs={"BN": 64, "RP": 16})
     ptx = triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"launch_pdl": True}).asm["ptx"]
     return [line.strip() for line in ptx.splitlines() if re.search(r"griddepcontrol|ld\.global|st\.global", line)]

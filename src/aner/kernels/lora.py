@@ -20,7 +20,9 @@ base's output again, and the delta's rounding is relative to the delta, not to t
 product. Where the outputs are at least 4x as wide as x (gate and up) and the bases' weights are
 decoded for each product, the delta joins the GEMM instead (`_joined`): project writes x and u's
 BF16 parts side by side, the decode leaves columns for B's, and one GEMM makes the sum: no delta
-is written or read. Any other base's output is read by expand, which adds the delta to it in FP32
+is written or read. In reverse, where x is at least twice as wide as the output (down), du @ A
+joins the input gradient's GEMM (`_joined_grad`): g and du's parts side by side, A's under the
+decoded weight. Any other base's output is read by expand, which adds the delta to it in FP32
 and rounds once. Projections that read one input (q, k, v; gate, up) go together
 (`adapted_projections`): their A's stacked, x is read once by project and once by reduce_tokens,
 and one expand writes du @ A for the input gradient.
@@ -219,19 +221,27 @@ def _reduce_tokens_result(acc, at, mask, scale, SCALED: tl.constexpr):
 
 
 @triton.jit
-def _spread_kernel(b, out, N, R, stride_bn, stride_br, out_rows, scale, BN: tl.constexpr, RP: tl.constexpr):
-    """out[n, p * R + c] (BF16, rows out_rows apart) = (scale * b[n, c])'s parts hi, hi, mid for
-    p = 0, 1, 2: a joined operand's columns for b (N, R) FP32, given by its strides."""
+def _spread_kernel(b, out, N, R, stride_bn, stride_br, out_rows, out_cols, scale, BN: tl.constexpr, RP: tl.constexpr):
+    """out[n, p * R + c] (BF16, rows out_rows and columns out_cols apart) = (scale * b[n, c])'s parts
+    hi, hi, mid for p = 0, 1, 2: a joined operand's columns for b (N, R) FP32, given by its strides
+    (through transposed views: its rows for b's transpose)."""
     after_prior()
     offs_n = tl.program_id(0) * BN + tl.arange(0, BN)
     offs_r = tl.arange(0, RP)
     mask = (offs_n < N)[:, None] & (offs_r < R)[None, :]
     bt = tl.load(b + offs_n[:, None] * stride_bn + offs_r[None, :] * stride_br, mask=mask, other=0.0)
     hi, mid, _ = bf16_parts(scaled(bt, scale))
-    at = out + offs_n.to(tl.int64)[:, None] * out_rows + offs_r[None, :]
+    at = out + offs_n.to(tl.int64)[:, None] * out_rows + offs_r.to(tl.int64)[None, :] * out_cols
     tl.store(at, hi, mask=mask)
-    tl.store(at + R, hi, mask=mask)
-    tl.store(at + 2 * R, mid, mask=mask)
+    tl.store(at + R * out_cols, hi, mask=mask)
+    tl.store(at + 2 * R * out_cols, mid, mask=mask)
+
+
+def _spread(b: torch.Tensor, out: torch.Tensor, scale: float = 1.0) -> None:
+    """out (N, 3 R) BF16, any strides = (scale * b (N, R) FP32)'s parts hi, hi, mid, side by side."""
+    N, R = b.shape
+    _spread_kernel[(triton.cdiv(N, 64),)](b, out, N, R, *b.stride(), *out.stride(), scale, BN=64, RP=_rank_tile(R),
+                                          num_warps=4, **launch_options(b.device))
 
 
 def _rank_tile(r: int) -> int:
@@ -371,12 +381,12 @@ def _joined(bases, x2d: torch.Tensor, dtype: torch.dtype, ranks) -> tuple[torch.
     each makes x @ W_i^T + u_i @ B_i^T, u's products u_hi B_hi + u_mid B_hi + u_hi B_mid (exact in
     FP32; what is left out is below 2^-16 of the leading one), the sum rounded once. No expand
     writes a delta and no GEMM reads one back. Where: BF16, one or two bases whose operand is made
-    for each product (a decode: `spare_columns`), ranks that keep every column 16-byte aligned,
+    for each product (a decode: `spare_room`), ranks that keep every column 16-byte aligned,
     and outputs at least 4x as wide as x (gate and up): there the delta's write and read outweigh
     x's copy and the 3 r more columns of each product; at q, k, v, o and down they do not
     (`benchmarks/joined_delta.py`)."""
     if not joins_deltas(dtype, ranks) or x2d.dtype != dtype or len(bases) > 2 \
-            or not all(getattr(base, "spare_columns", False) for base in bases) \
+            or not all(getattr(base, "spare_room", False) for base in bases) \
             or sum(base.weight.shape[0] for base in bases) < 4 * x2d.shape[1]:
         return None
     M, K = x2d.shape
@@ -390,12 +400,37 @@ def _joined_product(base, i: int, wide: torch.Tensor, r0: int, b: torch.Tensor, 
     left, right = (3 * R, 0) if i == 0 else (0, 3 * R)
     w = base.operand(dtype, left, right)                 # (N, left + K + right), the spare columns unwritten
     K = w.shape[1] - 3 * R
-    block = w[:, :left] if left else w[:, K:]
-    _spread_kernel[(triton.cdiv(N, 64),)](b, block, N, R, b.stride(0), b.stride(1), block.stride(0), scale, BN=64,
-                                          RP=_rank_tile(R), num_warps=4, **launch_options(b.device))
+    _spread(b, w[:, :left] if left else w[:, K:], scale)
     x = wide[:, :left + K] if left else wide[:, 3 * r0:]
     with torch.autocast(wide.device.type, enabled=False):
         return torch.mm(x, w.t()), w[:, left:left + K]
+
+
+def _joined_grad(bases, x2d: torch.Tensor, dtype: torch.dtype, ranks) -> int:
+    """The rows to spare under the base's decoded weight (3 r) when its input gradient joins du @ A
+    to its GEMM along K, else 0: `_joined` in reverse.
+
+    g' (M, N + 3 r) BF16 = [g | du's parts hi, mid, hi], written by project as it reads g, times
+    [W; A's parts hi; hi; mid] (the decode's spare rows) makes g @ W + du @ A in one GEMM, du's
+    products as `_joined` makes u's, the sum rounded once: no expand writes du @ A and no GEMM
+    reads it back. Where: one base whose operand is made for each product (a decode), BF16, ranks
+    that keep every column 16-byte aligned, and an input at least twice as wide as the output
+    (down): there that write and read (4 M K bytes) outweigh g's copy (2 M N) at least fourfold."""
+    if not joins_deltas(dtype, ranks) or x2d.dtype != dtype or len(bases) != 1 \
+            or not getattr(bases[0], "spare_room", False) or x2d.shape[1] < 2 * bases[0].weight.shape[0]:
+        return 0
+    return 3 * ranks[0]
+
+
+def _joined_input_grad(base, w: torch.Tensor | None, wide: torch.Tensor, a: torch.Tensor, dtype: torch.dtype,
+                       below: int) -> torch.Tensor:
+    """dx = g' @ [W; A's parts] (`_joined_grad`), through the base's kept decode w (with `below`
+    rows under W) or, for None, one made again."""
+    if w is None:
+        w = base.operand(dtype, below=below)
+    _spread(a.t(), w[w.shape[0] - below:].t())          # A (r, K)'s parts, rows hi, hi, mid under W
+    with torch.autocast(wide.device.type, enabled=False):
+        return torch.mm(wide, w)
 
 
 def _operand_dtype(x: torch.Tensor) -> torch.dtype:
@@ -415,12 +450,14 @@ class _AdaptedProjections(torch.autograd.Function):
     delta + x @ W^T, one cuBLAS GEMM onto expand's delta or with the delta joined to it along K
     (`_joined`), and in backward the bases' input gradients are one chain of products into one
     buffer (dx = du @ A, then dx += g_i @ W_i inside each GEMM; with x in another dtype or another
-    kind of base, du @ A is added last), so no pass adds them. A weight is kept for backward when
-    the base says so (`keeps_operand`: a cast, as autograd would keep it; a decode under
-    nf4_kernel="decoded_kept", a joined one as its weight's columns), else made again there (a
-    decode: one decoded matrix exists at a time). Any other base runs on a detached x, its
-    autograd graph recorded when x needs a gradient, and its input gradient is added to the
-    chain's; the graph's root keeps no data (a projection's backward reads its inputs only).
+    kind of base, du @ A is added last), so no pass adds them, or one GEMM with du @ A joined to it
+    along K (`_joined_grad`: the decode then has rows to spare, and the forward's product reads
+    the rows above them). A weight is kept for backward when the base says so (`keeps_operand`: a
+    cast, as autograd would keep it; a decode under nf4_kernel="decoded_kept", a joined one as its
+    weight's columns, one with rows to spare whole), else made again there (a decode: one decoded
+    matrix exists at a time). Any other base runs on a detached x, its autograd graph recorded when
+    x needs a gradient, and its input gradient is added to the chain's; the graph's root keeps no
+    data (a projection's backward reads its inputs only).
 
     The A_i are stacked: one project reads x once for all of them, one reduce over the tokens
     makes all their gradients from one read of x, and one expand makes the stacked du @ A."""
@@ -433,6 +470,7 @@ class _AdaptedProjections(torch.autograd.Function):
         a = _stack(a_s, 0)                                        # (sum r_i, in)
         ctx.ranks = [t.shape[0] for t in a_s]
         joined = _joined(bases, x2d, dtype, ctx.ranks)
+        ctx.below = _joined_grad(bases, x2d, dtype, ctx.ranks) if track else 0
         # (M, sum r_i) as its BF16 parts
         u = project(x2d, a, parts=_planes(x2d.shape[0], a.shape[0], x2d.device), joined=joined)
         outs, kept, ctx.graphs = [], [], []
@@ -441,11 +479,11 @@ class _AdaptedProjections(torch.autograd.Function):
             if joined is not None:
                 out, w = _joined_product(base, i, *joined, b, s, dtype)
             else:
-                w = base.operand(dtype)
+                w = base.operand(dtype, below=ctx.below) if ctx.below else base.operand(dtype)
                 if w is not None:
                     out = expand(u_i, b, None, dtype, scale=s)    # the delta; the GEMM adds x @ W^T
                     with torch.autocast(x2d.device.type, enabled=False):
-                        out.addmm_(xo, w.t())
+                        out.addmm_(xo, w[:b.shape[0]].t())
             if w is not None:
                 outs.append(out)
                 kept.append(w if track and base.keeps_operand else None)
@@ -475,10 +513,15 @@ class _AdaptedProjections(torch.autograd.Function):
         b_s, kept = rest[:n], iter(rest[n:])
         gs = [g.contiguous() for g in gs]
         du = _planes(x2d.shape[0], a.shape[0], x2d.device)       # (M, sum r_i): g_i @ s_i B_i, as BF16 parts
+        # the input gradient joined (`_joined_grad`): project also writes g' = [g | du's parts]
+        wide = None if not (ctx.below and needs[0]) else \
+            torch.empty(x2d.shape[0], gs[0].shape[1] + ctx.below, device=x2d.device, dtype=ctx.dtype)
         for g, b, cols, s in zip(gs, b_s, _columns(ctx.ranks), ctx.scales):
-            project(g, b.t(), parts=du[:, :, cols], scale=s)
+            project(g, b.t(), parts=du[:, :, cols], scale=s, joined=None if wide is None else (wide, 0))
         dx = None
-        if needs[0]:
+        if wide is not None:
+            dx = _joined_input_grad(ctx.bases[0], next(kept) if ctx.kept[0] else None, wide, a, ctx.dtype, ctx.below)
+        elif needs[0]:
             # du @ A first when every base is a GEMM in x's dtype: each GEMM of the chain adds onto it
             first = x2d.dtype == ctx.dtype and all(graph is None for graph in ctx.graphs)
             if first:

@@ -668,16 +668,17 @@ def nf4_embedding(packed: DevicePacked, ids: torch.Tensor, lut: int = 0) -> torc
     return out.reshape(*ids.shape, K)
 
 
-def nf4_decode(packed: DevicePacked, dtype: torch.dtype = torch.float32, left: int = 0, right: int = 0) -> torch.Tensor:
+def nf4_decode(packed: DevicePacked, dtype: torch.dtype = torch.float32, left: int = 0, right: int = 0,
+               below: int = 0) -> torch.Tensor:
     """The whole (N, K) weight in `dtype` on the device: NF4Weight.dequantize() rounded once to
     `dtype`, bit for bit (the matrix kernels' own tile decode, 16 x 256 elements a program). With
-    `left` and `right`: (N, left + K + right), the weight in columns [left, left + K) and the
-    others left for the caller to write."""
+    `left`, `right` and `below`: (N + below, left + K + right), the weight in rows [0, N) and
+    columns [left, left + K), the others left for the caller to write."""
     _check_packed(packed)
     if dtype not in FLOATS:
         raise ConfigError(f"dtype={dtype} is not one of float32, float16, bfloat16")
     N, K = packed.shape
-    out = torch.empty(N, left + K + right, device=packed.device, dtype=dtype)
+    out = torch.empty(N + below, left + K + right, device=packed.device, dtype=dtype)
     br, bc = 16, 256
     _nf4_decode_kernel[(-(-N // br), -(-K // bc))](out[:, left:], out.stride(0), *packed._args(), N, K, BR=br, BC=bc,
                                                    FAST=K % 64 == 0, DQ=packed.double_quant,

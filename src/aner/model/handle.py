@@ -202,8 +202,9 @@ class PretrainedModel:
         tiles, the largest matrix in the operand dtype for the decoded products, or with
         decoded_kept every matrix that is multiplied whole (all but an untied embedding, which is
         only looked up): the forward keeps each for its backward, and the head is decoded last.
-        An adapted matrix counts 3 r columns more where the fused adapter kernels may join its
-        delta to its product (`kernels.joins_deltas`; every target, whatever its width)."""
+        An adapted matrix counts 3 r columns or rows more, along its longer side, where the fused
+        adapter kernels may join its delta to its product or du @ A to its input gradient
+        (`kernels.joins_deltas`; every target, whatever its shape)."""
         kernel = self._profile.nf4_kernel
         if self._storage == "float32" or kernel == "fused":
             return 0
@@ -215,7 +216,7 @@ class PretrainedModel:
         joins = method is not None and self._profile.adapter_kernel == "fused" \
             and joins_deltas(self._profile.compute_dtype, [method.rank])
         spare = {t: 3 * method.rank for t in method.targets} if joins else {}
-        sizes = [w.shape[0] * (w.shape[1] + spare.get(n, 0)) * itemsize for n, w in self._weights.items()
+        sizes = [(w.shape[0] * w.shape[1] + spare.get(n, 0) * max(w.shape)) * itemsize for n, w in self._weights.items()
                  if not isinstance(w, torch.Tensor) and n != looked_up]
         return sum(sizes) if kernel == "decoded_kept" else max(sizes)
 

@@ -40,9 +40,9 @@ class NF4Module(nn.Module):
         self.decoded = decoded          # with a device copy: whole-matrix decode + cuBLAS
         # decoded_kept: the decoded operand is kept for backward, else made again there (one at a time)
         self.keeps_operand = decoded and kept
-        # a decoded operand is made for each product, so it can have columns to spare (an
-        # adapter's delta joined to the product, `kernels.lora`)
-        self.spare_columns = decoded and device_copy is not None
+        # a decoded operand is made for each product, so it can have columns or rows to spare (an
+        # adapter's factor joined to the product, `kernels.lora`)
+        self.spare_room = decoded and device_copy is not None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.device_copy is None:
@@ -53,14 +53,14 @@ class NF4Module(nn.Module):
         with torch.autocast(x.device.type, enabled=False):
             return fused_nf4_linear(x, self.device_copy, self.decoded, self.keeps_operand)  # (..., out), x's dtype
 
-    def operand(self, dtype: torch.dtype, left: int = 0, right: int = 0) -> torch.Tensor | None:
+    def operand(self, dtype: torch.dtype, left: int = 0, right: int = 0, below: int = 0) -> torch.Tensor | None:
         """The whole decoded weight in `dtype` as a product's operand, for the decoded kernel
-        (with `left` and `right` columns to spare on each side, unwritten); None for the others
-        (their products decode inside)."""
+        (with `left` and `right` columns to spare on each side and `below` rows under it,
+        unwritten); None for the others (their products decode inside)."""
         if self.device_copy is None or not self.decoded:
             return None
         from ..kernels.nf4 import nf4_decode
-        return nf4_decode(self.device_copy, dtype, left, right)
+        return nf4_decode(self.device_copy, dtype, left, right, below)
 
     def lookup(self, tokens: torch.Tensor) -> torch.Tensor:
         if self.device_copy is None:
