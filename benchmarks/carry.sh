@@ -3,8 +3,9 @@
 # the wheels `gpu_run.sh` installs and the files it reads, in .whl (an ignored folder, carried with
 # the tree). Run here, at the repository's root, after `make setup`:
 #
-#   bash benchmarks/carry.sh [OLD]     OLD: a commit whose src/ and benchmarks/throughput.py go to
-#                                      .whl/old, the earlier tree of `gpu_run.sh ab` (none by default)
+#   bash benchmarks/carry.sh [COMMIT ...]    each COMMIT's src/ and benchmarks/throughput.py go to
+#                                            .whl/COMMIT: an earlier tree for `gpu_run.sh ab`
+#                                            (OLD=.whl/COMMIT)
 #
 #   llama-cpp-python   built from source with the Makefile's portable flags (a few minutes, once:
 #                      pip caches the wheel)
@@ -48,8 +49,8 @@ from aner.formats.gguf import read_gguf, write_gguf
 g = read_gguf(ensure_default_model())
 write_gguf('.whl/smollm2-tokenizer.gguf',
            [f for k, f in g.fields.items() if k.startswith('tokenizer.') or k == 'general.architecture'], [])"
-if [ $# -gt 0 ]; then
-  rm -rf .whl/old && mkdir -p .whl/old
-  git archive "$1" src benchmarks/throughput.py | tar -x -C .whl/old
-fi
+for commit in "$@"; do
+  rm -rf ".whl/$commit" && mkdir -p ".whl/$commit"
+  git archive "$commit" src benchmarks/throughput.py | tar -x -C ".whl/$commit"
+done
 ls -l .whl

@@ -51,7 +51,7 @@
 #               (COMBOS="model:method ... [--rounds R]" narrows it; R rounds alternate the two sides)
 #   ab          ours only, an earlier tree against this one, alternated ROUNDS times (default 2), one
 #               process each: OLD=a folder holding that tree's src/ and benchmarks/throughput.py
-#               (e.g. `git archive HEAD~1 src benchmarks/throughput.py | tar -x -C .whl/old`) -> ab.log, ab-{old,new}-N.json
+#               (`bash benchmarks/carry.sh COMMIT` puts COMMIT's in .whl/COMMIT)        -> ab.log, ab-{old,new}-N.json
 #   same        ours only, ROUNDS (default 3) separate processes of this tree, then benchmarks/same_bits.py:
 #               every combination's losses equal to the last bit (COMBOS, default llama-3.2-1b:qlora
 #               --steps 20) -> same.log, same-N.json
@@ -75,7 +75,7 @@
 #               COMBOS, default llama-3.2-1b:qlora) -> <date>-h200-replay-bits.json
 #   profile     where one update's GPU time goes (SmolLM2 and Llama-3.2-1B LoRA, eager loop:
 #               the kernels a recorded graph replays; PROFILES="model:method:eager ..." chooses)
-# Results land in $OUT. Prepare .whl (an ignored folder) here first: bash benchmarks/carry.sh [OLD commit]
+# Results land in $OUT. Prepare .whl (an ignored folder) here first: bash benchmarks/carry.sh [COMMIT ...]
 set -uo pipefail
 GPU_TESTS="tests/test_gpu.py tests/test_kernels.py tests/test_lora_kernels.py tests/test_adamw_kernel.py tests/test_attention.py
            tests/test_layer_kernels.py tests/test_cross_entropy_kernel.py tests/test_launch.py"
