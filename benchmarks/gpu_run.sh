@@ -51,7 +51,7 @@
 #               (COMBOS="model:method ... [--rounds R]" narrows it; R rounds alternate the two sides)
 #   ab          ours only, an earlier tree against this one, alternated ROUNDS times (default 2), one
 #               process each: OLD=a folder holding that tree's src/ and benchmarks/throughput.py
-#               (`bash benchmarks/carry.sh COMMIT` puts COMMIT's in .whl/COMMIT)        -> ab.log, ab-{old,new}-N.json
+#               (`bash benchmarks/carry.sh COMMIT` puts a commit's there: OLD=.whl/COMMIT) -> ab.log, ab-{old,new}-N.json
 #   same        ours only, ROUNDS (default 3) separate processes of this tree, then benchmarks/same_bits.py:
 #               every combination's losses equal to the last bit (COMBOS, default llama-3.2-1b:qlora
 #               --steps 20) -> same.log, same-N.json
