@@ -1,6 +1,6 @@
 """Fused low-rank adapter kernels against the same FP32 products written with torch ops, on a GPU.
 
-    PYTHONPATH=src python3 benchmarks/lora_kernels.py OUT.json [--sweep [OP ...] | --sums]
+    PYTHONPATH=src python3 benchmarks/lora_kernels.py OUT.json [--sweep [OP ...] | --sums | --gated]
 
 One adapter's forward and backward at the training shapes (8192 tokens, rank 16, BF16
 activations; Llama-3.2-1B's 2048 and 8192 widths): each op and tile variant is first checked on
@@ -23,6 +23,11 @@ and of the best per shape.
 times them, their parts summed by the last program of each tile against a second launch
 (`splits.sum_splits`), whatever the number of parts: the same bits checked, the time of each and,
 per model, an update's with each and with the default's choice (`splits.LAST_PARTS`).
+
+--gated: down's input and its first product, y = silu(gate) * up and u = y @ A^T as BF16 parts,
+at SmolLM2-135M's, Llama-3.2-1B's and Llama-3.1-8B's widths (8192 tokens, rank 16, BF16): the
+fused SwiGLU's kernel then project reading y, against project making y in its pass over gate and
+up (`gated`): the same bits checked, the time of each and an update's difference.
 """
 import datetime
 import itertools
@@ -225,9 +230,43 @@ def sums(out):
                    "rows": rows}, f, indent=1)
 
 
+def gated(out):
+    from aner.kernels.layer import swiglu
+    rows = []
+    for model, (F, layers) in {"smollm2-135m": (1536, 30), "llama-3.2-1b": (8192, 16),
+                               "llama-3.1-8b": (14336, 32)}.items():
+        g = torch.Generator(device="cuda").manual_seed(F)
+        copies = -(-2 ** 28 // (M * F * 4))                       # gate and up of all copies: >= 256 MiB
+        gates, ups = ([torch.randn(M, F, device="cuda", generator=g).bfloat16() for _ in range(copies)]
+                      for _ in range(2))
+        a = torch.randn(R, F, device="cuda", generator=g) / F ** 0.5
+        y = torch.empty(M, F, device="cuda", dtype=torch.bfloat16)
+        planes = [torch.empty(3, M, R, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+
+        def apart(i):
+            return L.project(swiglu(gates[i], ups[i]), a, parts=planes[0])
+
+        def together(i):
+            return L.project(gates[i], a, parts=planes[1], gated=(ups[i], y))
+        apart(0), together(0)
+        same = torch.equal(y, swiglu(gates[0], ups[0])) and torch.equal(*planes)
+        row = {"model": model, "F": F, "same_bits": same, "apart_ms": bench_graphed(apart, copies),
+               "together_ms": bench_graphed(together, copies)}
+        row["update_saved_ms"] = (row["apart_ms"] - row["together_ms"]) * layers
+        rows.append(row)
+        print(f"{model:13} F={F:<6} swiglu then project {row['apart_ms'] * 1e3:6.1f} us, in one pass "
+              f"{row['together_ms'] * 1e3:6.1f} us, an update {row['update_saved_ms']:.2f} ms less, "
+              f"same bits {row['same_bits']}", flush=True)
+    with open(out, "w") as f:
+        json.dump({"schema": "aner.lora_gated/1", "date": datetime.date.today().isoformat(),
+                   "device": torch.cuda.get_device_name(0), "torch": torch.__version__, "rows": rows}, f, indent=1)
+
+
 def main():
     if "--sums" in sys.argv:
         return sums(sys.argv[1])
+    if "--gated" in sys.argv:
+        return gated(sys.argv[1])
     if "--sweep" in sys.argv:
         return sweep(sys.argv[1], sys.argv[sys.argv.index("--sweep") + 1:] or ["project", "expand", "reduce_tokens"])
     out = sys.argv[1]

@@ -339,6 +339,93 @@ def test_input_gradient_joined_to_decoded_product(monkeypatch):
     close(db, 2.0 * gd.t() @ u, 2.0 * gd.abs().t() @ (xd.abs() @ ad.abs().t()), torch.float32)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("strided", [False, True], ids=["contiguous", "strided"])
+def test_gated_projection_is_swiglu_then_the_projection(dtype, strided, monkeypatch):
+    """Down's input made by the fused SwiGLU and its first product x @ A^T in the same pass over
+    gate and up (`gated_projection`, project's `gated`) gives the bits of the SwiGLU's kernel then
+    project, forward and every gradient (gate's and up's through the SwiGLU's backward), for gate
+    and up contiguous or columns of wider tensors (rows of two other strides). LoRALinear takes
+    that path through the model's `gated_input` with the fused SwiGLU only. (Both sides are this
+    machine's kernels: under the interpreter too, BF16 included.)"""
+    from aner.adapters.lora import LoRALinear
+    from aner.kernels import layer
+    from aner.model import llama
+    M, F, n_out, r = (300, 384, 96, 16) if not INTERPRET else (37, 96, 24, 8)
+    base = frozen_base(F, n_out)
+    gate0, up0 = torch.randn(M, 2 * F, device=DEV).to(dtype)[:, F:], torch.randn(M, 3 * F, device=DEV).to(dtype)[:, :F]
+    if not strided:
+        gate0, up0 = gate0.contiguous(), up0.contiguous()
+    a0 = torch.randn(r, F, device=DEV) / F ** 0.5
+    b0 = torch.randn(n_out, r, device=DEV)
+    g = torch.randn(M, n_out, device=DEV).to(dtype)
+
+    def run(gated):
+        a, b = (t.clone().requires_grad_(True) for t in (a0, b0))
+        gate, up = (torch.empty_strided(t.shape, t.stride(), device=DEV, dtype=dtype).copy_(t).requires_grad_(True)
+                    for t in (gate0, up0))                       # leaves of gate0's and up0's strides
+        if gated:
+            out = L.gated_projection(base, gate, up, a, b, 32 / 12)
+        else:
+            out = L.adapted_projection(base, layer.swiglu(gate, up), a, b, 32 / 12)
+        out.backward(g)
+        return [out.detach()] + [t.grad for t in (gate, up, a, b)]
+    assert all(torch.equal(p, q) for p, q in zip(run(True), run(False)))
+    y = torch.empty(M, F, device=DEV, dtype=dtype)
+    planes, ref = (torch.empty(3, M, r, device=DEV, dtype=torch.bfloat16) for _ in range(2))
+    L.project(gate0, a0, parts=planes, gated=(up0, y))
+    assert torch.equal(y, layer.swiglu(gate0, up0))
+    assert torch.equal(planes, L.project(y, a0, parts=ref))
+
+    calls, gated_projection = [], L.gated_projection
+    monkeypatch.setattr(L, "gated_projection", lambda *args: calls.append(1) or gated_projection(*args))
+    module = LoRALinear(base, a0, b0, 2.0, fused=True)
+    assert torch.equal(llama.gated_input(module, layer.swiglu, gate0, up0), module(layer.swiglu(gate0, up0)))
+    assert len(calls) == 1
+    llama.gated_input(module, llama.swiglu, gate0, up0)
+    llama.gated_input(LoRALinear(base, a0, b0, 2.0), layer.swiglu, gate0, up0)
+    assert len(calls) == 1
+
+
+def test_model_makes_down_input_and_its_product_in_one_pass(monkeypatch):
+    """A model with the fused layer kernels and fused adapters on all seven projections (FP32):
+    each layer's down takes `gated_projection`, and the logits and every factor's gradient are the
+    bits of the model without it (the SwiGLU's kernel, then project)."""
+    from aner.adapters.lora import LoRALinear
+    from aner.model import build, names
+    from aner.model.config import LlamaConfig
+    config = LlamaConfig(2, 64, 4, 2, 192, 512, 256, 1e-5, 10000.0, True)
+    weights = {n: torch.ones(shape, device=DEV) if role == "norm" else torch.randn(shape, device=DEV) * 0.05
+               for n, (_, role, shape) in names.expected(config).items()}
+    projections = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+    factors = {}                                                 # (layer, projection) -> A, B: the same in both runs
+    tokens = torch.randint(0, 512, (2, 37), device=DEV)
+    g = torch.randn(2, 37, 512, device=DEV)
+    calls, gated_projection = [], L.gated_projection
+    monkeypatch.setattr(L, "gated_projection", lambda *args: calls.append(1) or gated_projection(*args))
+
+    def run():
+        model = build.build(config, weights, layer_kernel="fused", attention_kernel="torch")
+        leaves = []
+        for i, layer in enumerate(model.layers):
+            for name in projections:
+                base = getattr(layer, name)
+                n_out, n_in = base.weight.shape
+                if (i, name) not in factors:
+                    factors[i, name] = (torch.randn(8, n_in, device=DEV) / n_in ** 0.5,
+                                        torch.randn(n_out, 8, device=DEV) * 0.1)
+                a, b = (t.clone().requires_grad_(True) for t in factors[i, name])
+                leaves += [a, b]
+                setattr(layer, name, LoRALinear(base, a, b, 2.0, fused=True))
+        logits = model(tokens)
+        (logits * g).sum().backward()
+        return [logits.detach()] + [t.grad for t in leaves]
+    gated = run()
+    assert len(calls) == config.n_layer
+    monkeypatch.setattr(LoRALinear, "gated", lambda self, swiglu, gate, up: self(swiglu(gate, up)))
+    assert all(torch.equal(p, q) for p, q in zip(gated, run())) and len(calls) == config.n_layer
+
+
 @pytest.mark.parametrize("kind", ["dense", "decoded"])
 def test_scales_as_torch_scales_b(kind):
     """Each adapter's scale taken by the kernels that read B (and by the sum of dB's parts) gives

@@ -315,6 +315,19 @@ def add_rms_norm(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, eps: fl
 
 
 @triton.jit
+def _sigmoid(a):
+    """1 / (1 + exp(-a)) in FP32, with an IEEE division."""
+    return tl.math.div_rn(1.0, 1.0 + tl.exp(-a))
+
+
+@triton.jit
+def gated(a, b):
+    """silu(a) * b = a * sigmoid(a) * b in FP32, for FP32 a and b: the fused SwiGLU's output before
+    its one rounding (also made by `kernels.lora.project` where it reads gate and up)."""
+    return a * _sigmoid(a) * b
+
+
+@triton.jit
 def _swiglu_kernel(gate, up, g, out, dup, F, s_gate, s_up, s_g, s_out, s_dup,
                    BACKWARD: tl.constexpr, BLOCK: tl.constexpr):
     """BLOCK columns of one row (each tensor's rows s_* apart). Forward: out = silu(gate) * up.
@@ -326,13 +339,13 @@ def _swiglu_kernel(gate, up, g, out, dup, F, s_gate, s_up, s_g, s_out, s_dup,
     mask = col < F
     a = tl.load(gate + row * s_gate + col, mask=mask, other=0.0).to(tl.float32)
     b = tl.load(up + row * s_up + col, mask=mask, other=0.0).to(tl.float32)
-    s = tl.math.div_rn(1.0, 1.0 + tl.exp(-a))
     if BACKWARD:
+        s = _sigmoid(a)
         dy = tl.load(g + row * s_g + col, mask=mask, other=0.0).to(tl.float32)
         tl.store(out + row * s_out + col, (dy * b * s * (1.0 + a * (1.0 - s))).to(out.dtype.element_ty), mask=mask)
         tl.store(dup + row * s_dup + col, (dy * a * s).to(dup.dtype.element_ty), mask=mask)
     else:
-        tl.store(out + row * s_out + col, (a * s * b).to(out.dtype.element_ty), mask=mask)
+        tl.store(out + row * s_out + col, gated(a, b).to(out.dtype.element_ty), mask=mask)
 
 
 def _swiglu_launch(gate, up, g, out, dup, backward: bool):
@@ -349,10 +362,13 @@ def _swiglu_launch(gate, up, g, out, dup, backward: bool):
 
 class _SwiGLU(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, gate, up):
+    def forward(ctx, gate, up, fill):
         rows = gate.reshape(-1, gate.shape[-1]), up.reshape(-1, up.shape[-1])
         out = torch.empty(rows[0].shape, device=gate.device, dtype=torch.promote_types(gate.dtype, up.dtype))
-        _swiglu_launch(*rows, out, out, out, backward=False)
+        if fill is None:
+            _swiglu_launch(*rows, out, out, out, backward=False)
+        else:
+            fill(*rows, out)
         ctx.save_for_backward(*rows)
         ctx.shape = gate.shape
         return out.view(gate.shape)
@@ -367,14 +383,16 @@ class _SwiGLU(torch.autograd.Function):
         else:
             dgate, dup = torch.empty_like(gate), torch.empty_like(up)
         _swiglu_launch(gate, up, g.reshape(gate.shape).contiguous(), dgate, dup, backward=True)
-        return dgate.view(ctx.shape), dup.view(ctx.shape)
+        return dgate.view(ctx.shape), dup.view(ctx.shape), None
 
 
-def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+def swiglu(gate: torch.Tensor, up: torch.Tensor, fill=None) -> torch.Tensor:
     """silu(gate) * up computed in FP32 and rounded once to their promoted dtype (the torch
     expression rounds silu(gate) first), with gradients for both; same-shaped tensors whose rows
     are contiguous (any row stride: e.g. columns of one product's output). When gate and up are
-    side by side in one tensor, their gradients are too, one buffer."""
+    side by side in one tensor, their gradients are too, one buffer. `fill(gate, up, out)`, for
+    their rows (M, F) and out's, stands in for the forward's kernel: it makes the same bits (`gated`)
+    and, in the same pass, what else reads them (`kernels.lora.gated_projection`)."""
     if gate.dtype not in FLOATS or up.dtype not in FLOATS:
         raise ConfigError(f"swiglu gate {gate.dtype}, up {up.dtype}; accepted: float32, float16 or bfloat16")
     if gate.shape != up.shape or gate.device != up.device:
@@ -383,7 +401,7 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     if gate.stride(-1) != 1 or up.stride(-1) != 1:
         raise ConfigError(f"swiglu gate strides {gate.stride()}, up {up.stride()}; accepted: rows of contiguous "
                           f"elements (the last stride 1)")
-    return _SwiGLU.apply(gate, up)
+    return _SwiGLU.apply(gate, up, fill)
 
 
 class FusedRMSNorm(nn.Module):

@@ -203,6 +203,12 @@ def shared_input(x, modules):
     return tuple(m(x) for m in modules)
 
 
+def gated_input(module, swiglu, gate, up):
+    """module(swiglu(gate, up)). A module type with `gated(swiglu, gate, up)` (the fused adapters)
+    may make its own first product in the pass that makes swiglu's output."""
+    return module.gated(swiglu, gate, up) if hasattr(type(module), "gated") else module(swiglu(gate, up))
+
+
 class Block(nn.Module):
     GROUPS = ("attn_q", "attn_k", "attn_v"), ("ffn_gate", "ffn_up")   # projections that read one input
 
@@ -225,7 +231,7 @@ class Block(nn.Module):
         return self.attn_output(y)
 
     def mlp(self, x):
-        return self.ffn_down(self.swiglu(*shared_input(x, self.groups()[1])))
+        return gated_input(self.ffn_down, self.swiglu, *shared_input(x, self.groups()[1]))
 
     def groups(self) -> list[tuple]:
         return [tuple(getattr(self, name) for name in names) for names in self.GROUPS]
