@@ -29,8 +29,9 @@
 #   lora        benchmarks/lora_kernels.py (fused adapter kernels)   -> <date>-h200-lora-kernels.json
 #               (LORA=--sweep: the tile grid at every shape of a Llama-3.2-1B and Llama-3.1-8B update;
 #               LORA=--sums: there, the parts summed by each tile's last program against a second launch)
-#   gated       benchmarks/lora_kernels.py --gated (down's input and its first product in one pass against the
-#               SwiGLU's kernel, then project)                       -> <date>-h200-lora-gated.json
+#   gated       benchmarks/lora_kernels.py --gated (the MLP's passes over the SwiGLU's operands as adapted_mlp
+#               makes them, forward and backward, against the SwiGLU's kernels, then project)
+#                                                                     -> <date>-h200-lora-gated.json
 #   adamw       benchmarks/adamw.py (ours against torch.optim.AdamW) -> <date>-h200-adamw.json
 #   norms       benchmarks/norm_kernels.py (RMSNorm backward, sum_splits) -> <date>-h200-norm-kernels.json
 #   attention   benchmarks/attention.py (fused causal attention against PyTorch's) -> <date>-h200-attention.json

@@ -341,56 +341,88 @@ def test_input_gradient_joined_to_decoded_product(monkeypatch):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("strided", [False, True], ids=["contiguous", "strided"])
-def test_gated_projection_is_swiglu_then_the_projection(dtype, strided, monkeypatch):
-    """Down's input made by the fused SwiGLU and its first product x @ A^T in the same pass over
-    gate and up (`gated_projection`, project's `gated`) gives the bits of the SwiGLU's kernel then
-    project, forward and every gradient (gate's and up's through the SwiGLU's backward), for gate
-    and up contiguous or columns of wider tensors (rows of two other strides). LoRALinear takes
-    that path through the model's `gated_input` with the fused SwiGLU only. (Both sides are this
-    machine's kernels: under the interpreter too, BF16 included.)"""
+def test_swiglu_made_in_project(dtype, strided):
+    """project's `gated` makes the fused SwiGLU's output y (written) and y @ w^T, and its `paired`
+    the SwiGLU's gradients for gate and up (written) and [dgate @ w^T | dup @ w2^T]: the bits of the
+    SwiGLU's kernels, then project (once, or once for each gradient, into its columns of the
+    planes), for gate, up and the gradient contiguous or columns of wider tensors (rows of other
+    strides). (Both sides are this machine's kernels: under the interpreter too, BF16 included.)"""
+    from aner.kernels import layer
+    M, F, r = (300, 384, 16) if not INTERPRET else (37, 96, 8)
+    wide = [torch.randn(M, k * F, device=DEV).to(dtype) for k in (2, 3, 4)]
+    gate, up, dy = (t[:, F:2 * F] for t in wide) if strided else (t[:, :F].contiguous() for t in wide)
+    w, w2 = (torch.randn(F, r, device=DEV).t() for _ in range(2))         # B's transposes, as backward has them
+    planes, ref = (torch.empty(3, M, 2 * r, device=DEV, dtype=torch.bfloat16) for _ in range(2))
+    y = torch.empty(M, F, device=DEV, dtype=dtype)
+    L.project(gate, w, parts=planes[:, :, :r], scale=32 / 12, gated=(up, y))
+    assert torch.equal(y, layer.swiglu(gate, up))
+    assert torch.equal(planes[:, :, :r], L.project(y, w, parts=ref[:, :, :r], scale=32 / 12))
+    dgate, dup = torch.empty_like(y), torch.empty_like(y)
+    L.project(gate, w, parts=planes, scale=32 / 12, paired=(up, dy, w2, dgate, dup))
+    gate_, up_ = (t.detach().clone().requires_grad_(True) for t in (gate, up))
+    layer.swiglu(gate_, up_).backward(dy)
+    assert torch.equal(dgate, gate_.grad) and torch.equal(dup, up_.grad)
+    L.project(dgate, w, parts=ref[:, :, :r], scale=32 / 12)
+    L.project(dup, w2, parts=ref[:, :, r:], scale=32 / 12)
+    assert torch.equal(planes, ref)
+
+
+@pytest.mark.parametrize("kind", ["dense", "decoded"])
+def test_adapted_mlp_is_its_parts(kind, monkeypatch):
+    """adapted_mlp (gate and up adapted together, the fused SwiGLU, down adapted) gives the bits of
+    adapted_projections, then the SwiGLU, then adapted_projection: the output and the gradients of
+    x and of every factor, over Dense bases (FP32 and BF16) and decoded NF4 bases (BF16, gate's and
+    up's deltas joined, down's input gradient joined). LoRALinear takes that path through the
+    model's `gated_mlp` where all three are fused and the SwiGLU is the fused one."""
     from aner.adapters.lora import LoRALinear
     from aner.kernels import layer
     from aner.model import llama
-    M, F, n_out, r = (300, 384, 96, 16) if not INTERPRET else (37, 96, 24, 8)
-    base = frozen_base(F, n_out)
-    gate0, up0 = torch.randn(M, 2 * F, device=DEV).to(dtype)[:, F:], torch.randn(M, 3 * F, device=DEV).to(dtype)[:, :F]
-    if not strided:
-        gate0, up0 = gate0.contiguous(), up0.contiguous()
-    a0 = torch.randn(r, F, device=DEV) / F ** 0.5
-    b0 = torch.randn(n_out, r, device=DEV)
-    g = torch.randn(M, n_out, device=DEV).to(dtype)
+    M, D, F, r = (300, 64, 256, 16) if not INTERPRET else (37, 32, 128, 8)
+    scale = 32 / 12
+    if kind == "decoded":
+        from aner.kernels.nf4 import DevicePacked
+        from aner.quant.module import NF4Module
+        from aner.quant.nf4 import NF4Weight
+        weights = [NF4Weight.quantize(torch.randn(n, k) * 0.05) for n, k in ((F, D), (F, D), (D, F))]
+        bases = [NF4Module(w, device_copy=DevicePacked.from_weight(w, DEV), decoded=True, kept=True) for w in weights]
+    else:
+        bases = [frozen_base(D, F), frozen_base(D, F), frozen_base(F, D)]
+    dtypes = [torch.bfloat16] if kind == "decoded" else [torch.float32, torch.bfloat16]
+    for dtype in dtypes:
+        x0 = torch.randn(M, D, device=DEV).to(dtype)
+        a0 = [torch.randn(r, k, device=DEV) / k ** 0.5 for k in (D, D, F)]
+        b0 = [torch.randn(n, r, device=DEV) * 0.1 for n in (F, F, D)]
+        g = torch.randn(M, D, device=DEV).to(dtype)
 
-    def run(gated):
-        a, b = (t.clone().requires_grad_(True) for t in (a0, b0))
-        gate, up = (torch.empty_strided(t.shape, t.stride(), device=DEV, dtype=dtype).copy_(t).requires_grad_(True)
-                    for t in (gate0, up0))                       # leaves of gate0's and up0's strides
-        if gated:
-            out = L.gated_projection(base, gate, up, a, b, 32 / 12)
-        else:
-            out = L.adapted_projection(base, layer.swiglu(gate, up), a, b, 32 / 12)
-        out.backward(g)
-        return [out.detach()] + [t.grad for t in (gate, up, a, b)]
-    assert all(torch.equal(p, q) for p, q in zip(run(True), run(False)))
-    y = torch.empty(M, F, device=DEV, dtype=dtype)
-    planes, ref = (torch.empty(3, M, r, device=DEV, dtype=torch.bfloat16) for _ in range(2))
-    L.project(gate0, a0, parts=planes, gated=(up0, y))
-    assert torch.equal(y, layer.swiglu(gate0, up0))
-    assert torch.equal(planes, L.project(y, a0, parts=ref))
+        def run(together):
+            x, *ab = (t.clone().requires_grad_(True) for t in (x0, *a0, *b0))
+            a_s, b_s = ab[:3], ab[3:]
+            if together:
+                out = L.adapted_mlp(x, bases[:2], a_s[:2], b_s[:2], scale, bases[2], a_s[2], b_s[2], 2.0)
+            else:
+                gate, up = L.adapted_projections(bases[:2], x, a_s[:2], b_s[:2], (scale, scale))
+                out = L.adapted_projection(bases[2], layer.swiglu(gate, up), a_s[2], b_s[2], 2.0)
+            out.backward(g)
+            return [out.detach()] + [t.grad for t in (x, *a_s, *b_s)]
+        assert all(torch.equal(p, q) for p, q in zip(run(True), run(False))), dtype
 
-    calls, gated_projection = [], L.gated_projection
-    monkeypatch.setattr(L, "gated_projection", lambda *args: calls.append(1) or gated_projection(*args))
-    module = LoRALinear(base, a0, b0, 2.0, fused=True)
-    assert torch.equal(llama.gated_input(module, layer.swiglu, gate0, up0), module(layer.swiglu(gate0, up0)))
+    calls, adapted_mlp = [], L.adapted_mlp
+    monkeypatch.setattr(L, "adapted_mlp", lambda *args: calls.append(1) or adapted_mlp(*args))
+    gate, up, down = (LoRALinear(base, a, b, scale, fused=True) for base, a, b in zip(bases, a0, b0))
+    assert torch.equal(llama.gated_mlp(x0, (gate, up), layer.swiglu, down),
+                       down(layer.swiglu(*LoRALinear.joint(x0, (gate, up)))))
+    assert len(calls) == 1                                       # x0 is BF16 (`MLP_DTYPES`)
+    llama.gated_mlp(x0, (gate, up), llama.swiglu, down)
+    llama.gated_mlp(x0, (gate, up), layer.swiglu, LoRALinear(bases[2], a0[2], b0[2], scale))
+    if kind == "dense":
+        llama.gated_mlp(x0.float(), (gate, up), layer.swiglu, down)
     assert len(calls) == 1
-    llama.gated_input(module, llama.swiglu, gate0, up0)
-    llama.gated_input(LoRALinear(base, a0, b0, 2.0), layer.swiglu, gate0, up0)
-    assert len(calls) == 1
 
 
-def test_model_makes_down_input_and_its_product_in_one_pass(monkeypatch):
+def test_model_takes_adapted_mlp(monkeypatch):
     """A model with the fused layer kernels and fused adapters on all seven projections (FP32):
-    each layer's down takes `gated_projection`, and the logits and every factor's gradient are the
-    bits of the model without it (the SwiGLU's kernel, then project)."""
+    each layer's MLP takes `adapted_mlp`, and the logits and every factor's gradient are the bits
+    of the model without it (the group, the SwiGLU's kernels, then down)."""
     from aner.adapters.lora import LoRALinear
     from aner.model import build, names
     from aner.model.config import LlamaConfig
@@ -401,8 +433,9 @@ def test_model_makes_down_input_and_its_product_in_one_pass(monkeypatch):
     factors = {}                                                 # (layer, projection) -> A, B: the same in both runs
     tokens = torch.randint(0, 512, (2, 37), device=DEV)
     g = torch.randn(2, 37, 512, device=DEV)
-    calls, gated_projection = [], L.gated_projection
-    monkeypatch.setattr(L, "gated_projection", lambda *args: calls.append(1) or gated_projection(*args))
+    calls, adapted_mlp = [], L.adapted_mlp
+    monkeypatch.setattr(L, "adapted_mlp", lambda *args: calls.append(1) or adapted_mlp(*args))
+    monkeypatch.setattr(L, "MLP_DTYPES", (torch.float32,))      # this FP32 model (it spills on the GPU)
 
     def run():
         model = build.build(config, weights, layer_kernel="fused", attention_kernel="torch")
@@ -422,7 +455,7 @@ def test_model_makes_down_input_and_its_product_in_one_pass(monkeypatch):
         return [logits.detach()] + [t.grad for t in leaves]
     gated = run()
     assert len(calls) == config.n_layer
-    monkeypatch.setattr(LoRALinear, "gated", lambda self, swiglu, gate, up: self(swiglu(gate, up)))
+    monkeypatch.setattr(LoRALinear, "gated", lambda x, group, swiglu, down: down(swiglu(*LoRALinear.joint(x, group))))
     assert all(torch.equal(p, q) for p, q in zip(gated, run())) and len(calls) == config.n_layer
 
 

@@ -328,6 +328,13 @@ def gated(a, b):
 
 
 @triton.jit
+def gated_grads(a, b, g):
+    """The gradients of `gated` for g = d out, FP32 (d a, d b), before their one rounding each."""
+    s = _sigmoid(a)
+    return g * b * s * (1.0 + a * (1.0 - s)), g * a * s
+
+
+@triton.jit
 def _swiglu_kernel(gate, up, g, out, dup, F, s_gate, s_up, s_g, s_out, s_dup,
                    BACKWARD: tl.constexpr, BLOCK: tl.constexpr):
     """BLOCK columns of one row (each tensor's rows s_* apart). Forward: out = silu(gate) * up.
@@ -340,10 +347,9 @@ def _swiglu_kernel(gate, up, g, out, dup, F, s_gate, s_up, s_g, s_out, s_dup,
     a = tl.load(gate + row * s_gate + col, mask=mask, other=0.0).to(tl.float32)
     b = tl.load(up + row * s_up + col, mask=mask, other=0.0).to(tl.float32)
     if BACKWARD:
-        s = _sigmoid(a)
-        dy = tl.load(g + row * s_g + col, mask=mask, other=0.0).to(tl.float32)
-        tl.store(out + row * s_out + col, (dy * b * s * (1.0 + a * (1.0 - s))).to(out.dtype.element_ty), mask=mask)
-        tl.store(dup + row * s_dup + col, (dy * a * s).to(dup.dtype.element_ty), mask=mask)
+        da, db = gated_grads(a, b, tl.load(g + row * s_g + col, mask=mask, other=0.0).to(tl.float32))
+        tl.store(out + row * s_out + col, da.to(out.dtype.element_ty), mask=mask)
+        tl.store(dup + row * s_dup + col, db.to(dup.dtype.element_ty), mask=mask)
     else:
         tl.store(out + row * s_out + col, gated(a, b).to(out.dtype.element_ty), mask=mask)
 
@@ -362,13 +368,10 @@ def _swiglu_launch(gate, up, g, out, dup, backward: bool):
 
 class _SwiGLU(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, gate, up, fill):
+    def forward(ctx, gate, up):
         rows = gate.reshape(-1, gate.shape[-1]), up.reshape(-1, up.shape[-1])
         out = torch.empty(rows[0].shape, device=gate.device, dtype=torch.promote_types(gate.dtype, up.dtype))
-        if fill is None:
-            _swiglu_launch(*rows, out, out, out, backward=False)
-        else:
-            fill(*rows, out)
+        _swiglu_launch(*rows, out, out, out, backward=False)
         ctx.save_for_backward(*rows)
         ctx.shape = gate.shape
         return out.view(gate.shape)
@@ -383,16 +386,15 @@ class _SwiGLU(torch.autograd.Function):
         else:
             dgate, dup = torch.empty_like(gate), torch.empty_like(up)
         _swiglu_launch(gate, up, g.reshape(gate.shape).contiguous(), dgate, dup, backward=True)
-        return dgate.view(ctx.shape), dup.view(ctx.shape), None
+        return dgate.view(ctx.shape), dup.view(ctx.shape)
 
 
-def swiglu(gate: torch.Tensor, up: torch.Tensor, fill=None) -> torch.Tensor:
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up computed in FP32 and rounded once to their promoted dtype (the torch
     expression rounds silu(gate) first), with gradients for both; same-shaped tensors whose rows
     are contiguous (any row stride: e.g. columns of one product's output). When gate and up are
-    side by side in one tensor, their gradients are too, one buffer. `fill(gate, up, out)`, for
-    their rows (M, F) and out's, stands in for the forward's kernel: it makes the same bits (`gated`)
-    and, in the same pass, what else reads them (`kernels.lora.gated_projection`)."""
+    side by side in one tensor, their gradients are too, one buffer. (`kernels.lora.adapted_mlp`
+    makes the same bits with the adapters around it, from `gated` and `gated_grads`.)"""
     if gate.dtype not in FLOATS or up.dtype not in FLOATS:
         raise ConfigError(f"swiglu gate {gate.dtype}, up {up.dtype}; accepted: float32, float16 or bfloat16")
     if gate.shape != up.shape or gate.device != up.device:
@@ -401,7 +403,7 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, fill=None) -> torch.Tensor:
     if gate.stride(-1) != 1 or up.stride(-1) != 1:
         raise ConfigError(f"swiglu gate strides {gate.stride()}, up {up.stride()}; accepted: rows of contiguous "
                           f"elements (the last stride 1)")
-    return _SwiGLU.apply(gate, up, fill)
+    return _SwiGLU.apply(gate, up)
 
 
 class FusedRMSNorm(nn.Module):

@@ -203,10 +203,14 @@ def shared_input(x, modules):
     return tuple(m(x) for m in modules)
 
 
-def gated_input(module, swiglu, gate, up):
-    """module(swiglu(gate, up)). A module type with `gated(swiglu, gate, up)` (the fused adapters)
-    may make its own first product in the pass that makes swiglu's output."""
-    return module.gated(swiglu, gate, up) if hasattr(type(module), "gated") else module(swiglu(gate, up))
+def gated_mlp(x, modules, swiglu, down):
+    """down(swiglu(gate, up)) for (gate, up) = shared_input(x, modules). A module type with
+    `gated(x, modules, swiglu, down)` (the fused adapters) whose kind all three are may make it
+    in fewer passes over the SwiGLU's operands."""
+    kind = type(down)
+    if hasattr(kind, "gated") and all(type(m) is kind for m in modules):
+        return kind.gated(x, modules, swiglu, down)
+    return down(swiglu(*shared_input(x, modules)))
 
 
 class Block(nn.Module):
@@ -231,7 +235,7 @@ class Block(nn.Module):
         return self.attn_output(y)
 
     def mlp(self, x):
-        return gated_input(self.ffn_down, self.swiglu, *shared_input(x, self.groups()[1]))
+        return gated_mlp(x, self.groups()[1], self.swiglu, self.ffn_down)
 
     def groups(self) -> list[tuple]:
         return [tuple(getattr(self, name) for name in names) for names in self.GROUPS]
