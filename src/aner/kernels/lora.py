@@ -91,7 +91,7 @@ def _project_kernel(p, q, d, w, w2, part, out, count, copy, copy_rows, copy2, co
     what is multiplied is the SwiGLU's gradients for gate and up (`layer.gated_grads`, rounded as
     its backward rounds them, written to copy and copy2): columns [0, H) of out take d gate @ w^T
     for w's H rows, columns [H, R) d up @ w2^T for w2's R - H rows (of w's strides), each its
-    terms in the order of a product of its own (the other's are exact zeros)."""
+    terms in the order of a product of its own (the other's, of finite values, are exact zeros)."""
     after_prior()
     offs_m = tl.program_id(0) * BM + tl.arange(0, BM)
     pid_s = tl.program_id(1)

@@ -205,8 +205,8 @@ def shared_input(x, modules):
 
 def gated_mlp(x, modules, swiglu, down):
     """down(swiglu(gate, up)) for (gate, up) = shared_input(x, modules). A module type with
-    `gated(x, modules, swiglu, down)` (the fused adapters) whose kind all three are may make it
-    in fewer passes over the SwiGLU's operands."""
+    `gated(x, modules, swiglu, down)` (the fused adapters) takes it when all three modules are of
+    that type, and may make it in fewer passes over the SwiGLU's operands."""
     kind = type(down)
     if hasattr(kind, "gated") and all(type(m) is kind for m in modules):
         return kind.gated(x, modules, swiglu, down)
