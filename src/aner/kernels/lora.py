@@ -573,7 +573,8 @@ class _AdaptedProjections(torch.autograd.Function):
         wide = None
         if ctx.gated:                 # the SwiGLU's gradients for gate and up, and du from them, in one pass
             dy, gs = gs[0].contiguous(), [torch.empty_like(t) for t in gate_up]
-            project(gate_up[0], b_s[0].t(), parts=du, scale=ctx.scales[0], paired=(gate_up[1], dy, b_s[1].t(), *gs))
+            wg, wu = (b.contiguous().t() for b in b_s)          # one layout: project reads both by one's strides
+            project(gate_up[0], wg, parts=du, scale=ctx.scales[0], paired=(gate_up[1], dy, wu, *gs))
         else:
             gs = [g.contiguous() for g in gs]
             # the input gradient joined (`_joined_grad`): project also writes g' = [g | du's parts]
