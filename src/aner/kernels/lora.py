@@ -97,24 +97,24 @@ def _project_kernel(p, q, d, w, w2, part, out, count, copy, copy_rows, copy2, co
     pid_s = tl.program_id(1)
     offs_r = tl.arange(0, RP)
     m_mask = offs_m < M
-    rows64 = offs_m.to(tl.int64)[:, None]
+    rows = offs_m.to(tl.int64)[:, None]
     acc = tl.zeros((BM, RP), dtype=tl.float32)
     for i in range(0, STEPS):                       # a constexpr trip count: one compile per width
         offs_n = (pid_s * STEPS + i) * BN + tl.arange(0, BN)
         n_mask = offs_n < N
         mn = m_mask[:, None] & n_mask[None, :]
-        pt = tl.load(p + rows64 * stride_p + offs_n[None, :], mask=mn, other=0.0)
+        pt = tl.load(p + rows * stride_p + offs_n[None, :], mask=mn, other=0.0)
         if GATED or PAIRED:
-            qt = tl.load(q + rows64 * stride_q + offs_n[None, :], mask=mn, other=0.0).to(tl.float32)
+            qt = tl.load(q + rows * stride_q + offs_n[None, :], mask=mn, other=0.0).to(tl.float32)
         if GATED:
             pt = gated(pt.to(tl.float32), qt).to(copy.dtype.element_ty)
         if PAIRED:
             pt, pt2 = gated_grads(pt.to(tl.float32), qt,
-                                  tl.load(d + rows64 * stride_d + offs_n[None, :], mask=mn, other=0.0).to(tl.float32))
+                                  tl.load(d + rows * stride_d + offs_n[None, :], mask=mn, other=0.0).to(tl.float32))
             pt, pt2 = pt.to(copy.dtype.element_ty), pt2.to(copy2.dtype.element_ty)
-            tl.store(copy2 + rows64 * copy2_rows + offs_n[None, :], pt2, mask=mn)
+            tl.store(copy2 + rows * copy2_rows + offs_n[None, :], pt2, mask=mn)
         if COPY:
-            tl.store(copy + rows64 * copy_rows + offs_n[None, :], pt, mask=mn)
+            tl.store(copy + rows * copy_rows + offs_n[None, :], pt, mask=mn)
         wt = tl.load(w + offs_r[None, :] * stride_wr + offs_n[:, None] * stride_wn,
                      mask=n_mask[:, None] & (offs_r < H)[None, :], other=0.0)       # (BN, RP)
         if SCALED:
@@ -126,7 +126,7 @@ def _project_kernel(p, q, d, w, w2, part, out, count, copy, copy_rows, copy2, co
             if SCALED:
                 wt2 = scaled(wt2, scale)
             acc = fp32_dot(pt2, wt2, acc, P_BF16, TC)
-    rows, cols = offs_m.to(tl.int64)[:, None], offs_r[None, :]
+    cols = offs_r[None, :]
     mask = m_mask[:, None] & (offs_r < R)[None, :]
     if SPLIT == 1:
         _project_result(acc, rows, cols, mask, out, out_plane, out_rows, joined, joined_rows, R, left, right,
