@@ -459,6 +459,148 @@ def test_model_takes_adapted_mlp(monkeypatch):
     assert all(torch.equal(p, q) for p, q in zip(gated, run())) and len(calls) == config.n_layer
 
 
+def test_model_rotates_q_and_k_in_the_adapters_passes(monkeypatch):
+    """A model with the fused layer kernels and fused adapters on all seven projections (FP32): each
+    layer's q, k and v take `roped`, and the logits and every factor's gradient agree with the
+    model that rotates q and k by the fused rope after the group (the base's product rounded before
+    the delta is added: FP32 accuracy, not its bits)."""
+    from aner.adapters.lora import LoRALinear
+    from aner.model import build, names
+    from aner.model.config import LlamaConfig
+    config = LlamaConfig(2, 64, 4, 2, 192, 512, 256, 1e-5, 10000.0, True)
+    weights = {n: torch.ones(shape, device=DEV) if role == "norm" else torch.randn(shape, device=DEV) * 0.05
+               for n, (_, role, shape) in names.expected(config).items()}
+    factors = {}
+    tokens = torch.randint(0, 512, (2, 37), device=DEV)
+    g = torch.randn(2, 37, 512, device=DEV)
+    calls, roped = [], LoRALinear.roped
+    monkeypatch.setattr(LoRALinear, "roped", lambda *args: calls.append(1) or roped(*args))
+
+    def run():
+        model = build.build(config, weights, layer_kernel="fused", attention_kernel="torch")
+        leaves = []
+        for i, layer in enumerate(model.layers):
+            for name in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"):
+                base = getattr(layer, name)
+                n_out, n_in = base.weight.shape
+                if (i, name) not in factors:
+                    factors[i, name] = (torch.randn(8, n_in, device=DEV) / n_in ** 0.5,
+                                        torch.randn(n_out, 8, device=DEV) * 0.1)
+                a, b = (t.clone().requires_grad_(True) for t in factors[i, name])
+                leaves += [a, b]
+                setattr(layer, name, LoRALinear(base, a, b, 2.0, fused=True))
+        logits = model(tokens)
+        (logits * g).sum().backward()
+        return [logits.detach()] + [t.grad for t in leaves]
+    made = run()
+    assert len(calls) == config.n_layer and len(made) == 1 + 2 * 7 * config.n_layer
+    monkeypatch.setattr(LoRALinear, "roped", lambda *args: None)
+    for p_, q_ in zip(made, run()):
+        torch.testing.assert_close(p_, q_, rtol=1e-4, atol=1e-5 * q_.abs().max().item())
+
+
+def rope_case(B, T, E):
+    """rope's tables (cos, sin) for T positions of heads E wide, and a function that sees an (B T,
+    n E) matrix as its heads (B, n, T, E), the layout the model's attention takes."""
+    from types import SimpleNamespace
+
+    from aner.model import llama
+    cos, sin = llama.rope_tables(SimpleNamespace(head_dim=E, rope_base=10000.0), T, DEV)
+    return (cos, sin), lambda t: t.view(B, T, t.shape[1] // E, E).transpose(1, 2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_rope_made_in_expand_and_project(dtype):
+    """expand's `rope` writes the bits of the fused rope over expand's output (into a tensor of its
+    own, or over its base), and project's the bits of the fused rope's backward (written) and of
+    project over them: rows of several sequences, heads side by side. (Both sides are this
+    machine's kernels: under the interpreter too, BF16 included.)"""
+    from aner.kernels import layer
+    B, T, E, n, r = (3, 100, 64, 8, 16) if not INTERPRET else (2, 19, 16, 3, 8)
+    tables, heads = rope_case(B, T, E)
+    M, N = B * T, n * E
+    q = L.to_parts(torch.randn(M, r, device=DEV))
+    w = torch.randn(N, r, device=DEV)
+    base = torch.randn(M, N, device=DEV).to(dtype)
+    made = L.expand(q, w, base, dtype, scale=32 / 12, rope=tables)
+    plain = heads(L.expand(q, w, base, dtype, scale=32 / 12))
+    assert torch.equal(heads(made), layer.rope(plain, plain, plain, *tables)[0])
+    assert torch.equal(L.expand(q, w, base, dtype, scale=32 / 12, rope=tables, out=base), made)
+    assert not torch.equal(made, L.expand(q, w, made, dtype, scale=32 / 12))       # it rotated
+
+    g = torch.randn(M, N, device=DEV).to(dtype)
+    into, planes, ref = torch.empty_like(g), *(torch.empty(3, M, r, device=DEV, dtype=torch.bfloat16) for _ in "ab")
+    L.project(g, w.t(), parts=planes, scale=32 / 12, rope=(*tables, into))
+    x = heads(torch.zeros(M, N, device=DEV, dtype=dtype)).requires_grad_(True)
+    layer.rope(x, x.detach(), x.detach(), *tables)[0].backward(heads(g))
+    assert torch.equal(heads(into), x.grad)
+    assert torch.equal(planes, L.project(into, w.t(), parts=ref, scale=32 / 12))
+
+
+@pytest.mark.parametrize("kind", ["dense", "decoded"])
+def test_adapted_projections_rotate(kind, monkeypatch):
+    """adapted_projections with rope's tables for q and k (not v): q and k are the base's product,
+    expand adding the delta to it, then the fused rope, bit for bit; v and the gradients of x and of
+    every factor are the bits of the group without them followed by the fused rope. Over Dense
+    bases (FP32 and BF16) and decoded NF4 bases (BF16). LoRALinear takes that path through the
+    model's `roped_heads` where all three are fused and the rope is the fused one."""
+    from aner.adapters.lora import LoRALinear
+    from aner.kernels import layer
+    from aner.model import llama
+    B, T, E, D, heads_n, r = (3, 100, 64, 256, (4, 2, 2), 16) if not INTERPRET else (2, 19, 16, 32, (3, 1, 1), 8)
+    tables, heads = rope_case(B, T, E)
+    widths = [n * E for n in heads_n]
+    if kind == "decoded":
+        from aner.kernels.nf4 import DevicePacked
+        from aner.quant.module import NF4Module
+        from aner.quant.nf4 import NF4Weight
+        weights = [NF4Weight.quantize(torch.randn(n, D) * 0.05) for n in widths]
+        bases = [NF4Module(w, device_copy=DevicePacked.from_weight(w, DEV), decoded=True, kept=True) for w in weights]
+    else:
+        bases = [frozen_base(D, n) for n in widths]
+    scales = (2.0, 32 / 12, 2.0)
+    for dtype in [torch.bfloat16] if kind == "decoded" else [torch.float32, torch.bfloat16]:
+        x0 = torch.randn(B, T, D, device=DEV).to(dtype)
+        a0 = [torch.randn(r, D, device=DEV) / D ** 0.5 for _ in widths]
+        b0 = [torch.randn(n, r, device=DEV) * 0.1 for n in widths]
+        g_s = [heads(torch.randn(B * T, n, device=DEV).to(dtype)) for n in widths]
+
+        def run(inside):
+            x, *ab = (t.clone().requires_grad_(True) for t in (x0, *a0, *b0))
+            a_s, b_s = ab[:3], ab[3:]
+            if inside:
+                outs = [heads(o.flatten(0, 1)) for o in
+                        L.adapted_projections(bases, x, a_s, b_s, scales, (tables, tables, None))]
+            else:
+                outs = layer.rope(*(heads(o.flatten(0, 1)) for o in L.adapted_projections(bases, x, a_s, b_s, scales)),
+                                  *tables)
+            torch.autograd.backward(outs, g_s)
+            return [o.detach() for o in outs], [t.grad for t in (x, *a_s, *b_s)]
+        (q, k, v), grads = run(True)
+        (_, _, v_), grads_ = run(False)
+        assert torch.equal(v, v_) and all(torch.equal(p_, q_) for p_, q_ in zip(grads, grads_)), dtype
+        x2d = x0.flatten(0, 1)
+        u = L.project(x2d, torch.cat(a0), parts=torch.empty(3, B * T, 3 * r, device=DEV, dtype=torch.bfloat16))
+        for got, base, b, s, i in zip((q, k), bases, b0, scales, range(2)):
+            made = L.expand(u[:, :, i * r:(i + 1) * r], b, x2d.to(dtype) @ base.operand(dtype).t(), dtype, scale=s)
+            assert torch.equal(got, layer.rope(heads(made), heads(made), heads(made), *tables)[0]), dtype
+
+    calls, roped = [], LoRALinear.roped
+    monkeypatch.setattr(LoRALinear, "roped", lambda *args: calls.append(1) or roped(*args))
+    group = [LoRALinear(base, a, b, s, fused=True) for base, a, b, s in zip(bases, a0, b0, scales)]
+    cos, sin = tables
+    made = llama.roped_heads(x0, group, layer.rope, cos, sin, heads_n)
+    assert len(calls) == 1 and all(torch.equal(p_, q_) for p_, q_ in
+                                   zip(made, [heads(o.flatten(0, 1)) for o in roped(x0, group, layer.rope,
+                                                                                     (tables, tables, None))]))
+    for rope, fused in ((llama.rope, True), (layer.rope, False)):
+        group[2].fused = fused
+        assert LoRALinear.roped(x0, group, rope, (tables, tables, None)) is None
+        assert all(torch.equal(p_, q_) for p_, q_ in zip(llama.roped_heads(x0, group, rope, cos, sin, heads_n),
+                                                         rope(*(heads(o.flatten(0, 1)) for o in
+                                                                LoRALinear.joint(x0, group)), cos, sin)))
+
+
 @pytest.mark.parametrize("kind", ["dense", "decoded"])
 def test_scales_as_torch_scales_b(kind):
     """Each adapter's scale taken by the kernels that read B (and by the sum of dB's parts) gives
