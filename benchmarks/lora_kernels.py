@@ -1,6 +1,6 @@
 """Fused low-rank adapter kernels against the same FP32 products written with torch ops, on a GPU.
 
-    PYTHONPATH=src python3 benchmarks/lora_kernels.py OUT.json [--sweep [OP ...] | --sums | --gated | --roped]
+    PYTHONPATH=src python3 benchmarks/lora_kernels.py OUT.json [--sweep [OP ...] | --sums | --gated]
 
 One adapter's forward and backward at the training shapes (8192 tokens, rank 16, BF16
 activations; Llama-3.2-1B's 2048 and 8192 widths): each op and tile variant is first checked on
@@ -29,14 +29,6 @@ Llama-3.1-8B's widths (8192 tokens, rank 16, BF16), as `adapted_mlp` makes them 
 SwiGLU's kernels and project: forward, y = silu(gate) * up and down's u = y @ A^T (project's
 `gated`); backward, the SwiGLU's gradients for gate and up and gate's and up's du (project's
 `paired`). The same bits checked, the time of each and an update's difference.
-
---roped: q's and k's passes at SmolLM2-135M's, Llama-3.2-1B's and Llama-3.1-8B's widths (8192
-tokens of 1024 positions, heads 64 wide, rank 16, BF16), as `adapted_projections` makes them with
-rope's tables against the fused rope after them: forward, the delta, the base's GEMM adding its
-product to it and the rope against the base's GEMM alone and expand adding the delta and rotating
-(`rope`; other bits: checked against expand over the GEMM's output, then the rope); backward, the
-rope's backward, then project against project's `rope` (the same bits checked). The time of each
-and an update's difference.
 """
 import datetime
 import itertools
@@ -286,69 +278,7 @@ def gated(out):
                    "device": torch.cuda.get_device_name(0), "torch": torch.__version__, "rows": rows}, f, indent=1)
 
 
-def roped(out):
-    from types import SimpleNamespace
-
-    from aner.kernels.layer import _rope_launch
-    from aner.model.llama import rope_tables
-    rows = []
-    E, Tn = 64, 1024
-    cos, sin = rope_tables(SimpleNamespace(head_dim=E, rope_base=500000.0), Tn, "cuda")
-    for model, (D, widths, layers) in {"smollm2-135m": (576, (576, 192), 30), "llama-3.2-1b": (2048, (2048, 512), 16),
-                                       "llama-3.1-8b": (4096, (4096, 1024), 32)}.items():
-        for N in widths:
-            g = torch.Generator(device="cuda").manual_seed(N)
-            copies = -(-2 ** 28 // (M * N * 2))                   # the outputs of all copies: >= 256 MiB
-            xs, gs = ([torch.randn(M, n, device="cuda", generator=g).bfloat16() for _ in range(copies)]
-                      for n in (D, N))
-            w = (torch.randn(N, D, device="cuda", generator=g) / D ** 0.5).bfloat16()
-            b = torch.randn(N, R, device="cuda", generator=g) * 0.1
-            u = L.to_parts(torch.randn(M, R, device="cuda", generator=g))
-            outs = [torch.empty(M, N, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
-            planes = [torch.empty(3, M, R, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
-
-            def heads(t):
-                return t.view(M // Tn, Tn, N // E, E).transpose(1, 2)
-
-            def forward_apart(i):
-                delta = L.expand(u, b, None, torch.bfloat16, scale=2.0)
-                delta.addmm_(xs[i], w.t())
-                return _rope_launch(heads(delta), cos, sin, heads(outs[0]), backward=False)
-
-            def forward_together(i):
-                torch.mm(xs[i], w.t(), out=outs[1])
-                return L.expand(u, b, outs[1], torch.bfloat16, scale=2.0, rope=(cos, sin), out=outs[1])
-
-            def backward_apart(i):
-                _rope_launch(heads(gs[i]), cos, sin, heads(outs[0]), backward=True)
-                return L.project(outs[0], b.t(), parts=planes[0], scale=2.0)
-
-            def backward_together(i):
-                return L.project(gs[i], b.t(), parts=planes[1], scale=2.0, rope=(cos, sin, outs[1]))
-            row = {"model": model, "N": N}
-            forward_together(0)
-            made = L.expand(u, b, xs[0] @ w.t(), torch.bfloat16, scale=2.0)
-            row["forward_same_bits"] = torch.equal(heads(outs[1]), _rope_launch(heads(made), cos, sin,
-                                                                                torch.empty_like(heads(made)), False))
-            backward_apart(0), backward_together(0)
-            row["backward_same_bits"] = torch.equal(outs[0], outs[1]) and torch.equal(planes[0], planes[1])
-            for way, apart, together in (("forward", forward_apart, forward_together),
-                                         ("backward", backward_apart, backward_together)):
-                row[f"{way}_apart_ms"] = bench_graphed(apart, copies)
-                row[f"{way}_together_ms"] = bench_graphed(together, copies)
-                row[f"{way}_update_saved_ms"] = (row[f"{way}_apart_ms"] - row[f"{way}_together_ms"]) * layers
-                print(f"{model:13} N={N:<5} {way:8} apart {row[f'{way}_apart_ms'] * 1e3:6.1f} us, rope in the "
-                      f"adapter's pass {row[f'{way}_together_ms'] * 1e3:6.1f} us, an update "
-                      f"{row[f'{way}_update_saved_ms']:.2f} ms less, same bits {row[f'{way}_same_bits']}", flush=True)
-            rows.append(row)
-    with open(out, "w") as f:
-        json.dump({"schema": "aner.lora_roped/1", "date": datetime.date.today().isoformat(),
-                   "device": torch.cuda.get_device_name(0), "torch": torch.__version__, "rows": rows}, f, indent=1)
-
-
 def main():
-    if "--roped" in sys.argv:
-        return roped(sys.argv[1])
     if "--sums" in sys.argv:
         return sums(sys.argv[1])
     if "--gated" in sys.argv:

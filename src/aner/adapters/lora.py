@@ -49,18 +49,6 @@ class LoRALinear(nn.Module):
                                    [m.lora_b for m in modules], [m.scale for m in modules])
 
     @staticmethod
-    def roped(x, modules, rope, tables):
-        """joint(x, modules) with each output whose rope tables (cos, sin) are given rotated by them,
-        where every module is fused and `rope` is the fused one: in the passes of the fused kernels
-        that make and read them (`kernels.lora.adapted_projections`' ropes); else None."""
-        from ..kernels import layer
-        if not all(m.fused for m in modules) or rope is not layer.rope:
-            return None
-        from ..kernels.lora import adapted_projections
-        return adapted_projections([m.base for m in modules], x, [m.lora_a for m in modules],
-                                   [m.lora_b for m in modules], [m.scale for m in modules], tables)
-
-    @staticmethod
     def gated(x, modules, swiglu, down):
         """down(swiglu(*joint(x, modules))): through the fused kernels with the fused SwiGLU where
         all three are fused, gate's and up's adapters have one rank and scale and x is in one of

@@ -45,26 +45,11 @@ from .splits import sum_splits
 
 
 @triton.jit
-def rotated(x, cos, sin, BACKWARD: tl.constexpr):
-    """x (BT, BE) FP32 rotated by its tiles of rope's tables: out[t, e] = x[t, e] * cos[t, e] +
-    x[t, e^1] * sin[t, e], or with BACKWARD sin[t, e^1] (the gradient through the flip); each
-    product rounded, then the sum (a launch compiled with enable_fp_fusion=False), before any
-    rounding to a narrower dtype. Also made by `kernels.lora` where its passes read or write q and k."""
-    BT: tl.constexpr = x.shape[0]
-    BE: tl.constexpr = x.shape[1]
-    x0, x1 = tl.split(tl.reshape(x, (BT, BE // 2, 2)))
-    c0, c1 = tl.split(tl.reshape(cos, (BT, BE // 2, 2)))
-    s0, s1 = tl.split(tl.reshape(sin, (BT, BE // 2, 2)))
-    if BACKWARD:
-        s0, s1 = s1, s0
-    return tl.reshape(tl.join(x0 * c0 + x1 * s0, x1 * c1 + x0 * s1), (BT, BE))
-
-
-@triton.jit
 def _rope_kernel(x, cos, sin, out, n, T, E, sxb, sxh, sxt, sob, soh, sot,
                  BACKWARD: tl.constexpr, BT: tl.constexpr, BE: tl.constexpr):
-    """out = `rotated` x for BT positions of one (b, head), rounded once to out's dtype. Rows are
-    loaded whole (vector loads, no gather)."""
+    """out[t, e] = x[t, e] * cos[t, e] + x[t, e^1] * sin[t, e] for BT positions of one (b, head);
+    BACKWARD reads sin[t, e^1] instead (the gradient through the flip). FP32, one final rounding.
+    Rows are loaded whole and split into their even and odd elements (vector loads, no gather)."""
     after_prior()
     b = tl.program_id(0) // n
     h = tl.program_id(0) % n
@@ -73,9 +58,14 @@ def _rope_kernel(x, cos, sin, out, n, T, E, sxb, sxh, sxt, sob, soh, sot,
     mask = (t < T)[:, None] & (e < E)[None, :]
     t64 = t.to(tl.int64)[:, None]
     src = x + b.to(tl.int64) * sxb + h.to(tl.int64) * sxh + t64 * sxt
-    y = rotated(tl.load(src + e[None, :], mask=mask, other=0.0).to(tl.float32),
-                tl.load(cos + t64 * E + e[None, :], mask=mask, other=0.0),
-                tl.load(sin + t64 * E + e[None, :], mask=mask, other=0.0), BACKWARD)
+    x0, x1 = tl.split(tl.reshape(tl.load(src + e[None, :], mask=mask, other=0.0).to(tl.float32), (BT, BE // 2, 2)))
+    c0, c1 = tl.split(tl.reshape(tl.load(cos + t64 * E + e[None, :], mask=mask, other=0.0), (BT, BE // 2, 2)))
+    s0, s1 = tl.split(tl.reshape(tl.load(sin + t64 * E + e[None, :], mask=mask, other=0.0), (BT, BE // 2, 2)))
+    if BACKWARD:
+        s0, s1 = s1, s0
+    y0 = x0 * c0 + x1 * s0                          # two roundings of products, one of the sum
+    y1 = x1 * c1 + x0 * s1
+    y = tl.reshape(tl.join(y0, y1), (BT, BE))
     dst = out + b.to(tl.int64) * sob + h.to(tl.int64) * soh + t64 * sot
     tl.store(dst + e[None, :], y.to(out.dtype.element_ty), mask=mask)
 

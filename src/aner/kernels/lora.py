@@ -28,10 +28,7 @@ and rounds once. Projections that read one input (q, k, v; gate, up) go together
 and one expand writes du @ A for the input gradient. Where gate, up and down are all adapted
 and the SwiGLU between them is the fused one (`adapted_mlp`), project makes the SwiGLU's output
 and down's u in one pass over gate and up, and in backward the SwiGLU's gradients and gate's and
-up's du in one pass over gate, up and the gradient: neither is read back for u or du. Where q's
-and k's rope is the fused one (`adapted_projections`' ropes), expand adds the delta to the base's
-product and rotates the sum in one pass, and project makes rope's input gradient as it reads the
-output's: no pass of rope's own reads or writes q or k.
+up's du in one pass over gate, up and the gradient: neither is read back for u or du.
 
 Each reads its (M, N) operand once in its own dtype (FP32, FP16 or BF16) and computes its
 products to FP32 accuracy, as the adapter policy requires: on the tensor cores through exact BF16
@@ -57,7 +54,7 @@ import triton.language as tl
 from . import TARGET_PROGRAMS, joins_deltas
 from .fp32 import bf16_parts, fp32_dot, parts_dot, scaled, six_dot
 from .launch import after_prior, launch_options
-from .layer import gated, gated_grads, rotated
+from .layer import gated, gated_grads
 from .splits import joined_args, last_part, ordered_sum, store_parts, sum_splits, tile_counts
 
 
@@ -76,12 +73,12 @@ class Tiles:
 
 
 @triton.jit
-def _project_kernel(p, q, d, w, w2, part, out, count, copy, copy_rows, copy2, copy2_rows, cos, sin, M, N, R, H, T, E,
-                    stride_p, stride_q, stride_d, stride_wr, stride_wn, scale, out_plane, out_rows, joined,
-                    joined_rows, left, right, STEPS: tl.constexpr, SPLIT: tl.constexpr, LAST: tl.constexpr,
-                    BM: tl.constexpr, BN: tl.constexpr, RP: tl.constexpr, P_BF16: tl.constexpr, TC: tl.constexpr,
-                    COPY: tl.constexpr, SCALED: tl.constexpr, PARTS: tl.constexpr, JOINED: tl.constexpr,
-                    GATED: tl.constexpr, PAIRED: tl.constexpr, ROPE: tl.constexpr):
+def _project_kernel(p, q, d, w, w2, part, out, count, copy, copy_rows, copy2, copy2_rows, M, N, R, H, stride_p,
+                    stride_q, stride_d, stride_wr, stride_wn, scale, out_plane, out_rows, joined, joined_rows, left,
+                    right, STEPS: tl.constexpr, SPLIT: tl.constexpr, LAST: tl.constexpr, BM: tl.constexpr,
+                    BN: tl.constexpr, RP: tl.constexpr, P_BF16: tl.constexpr, TC: tl.constexpr, COPY: tl.constexpr,
+                    SCALED: tl.constexpr, PARTS: tl.constexpr, JOINED: tl.constexpr, GATED: tl.constexpr,
+                    PAIRED: tl.constexpr):
     """out (M, R) = p (M, N) @ w^T, for p's rows stride_p apart and w (R, N) given by its strides
     (times `scale` when SCALED: `fp32.scaled`), in SPLIT parts of N's columns: program (i, s)
     multiplies columns [s, s + 1) * STEPS * BN into part[s] (FP32), and with LAST the last of a
@@ -94,10 +91,7 @@ def _project_kernel(p, q, d, w, w2, part, out, count, copy, copy_rows, copy2, co
     what is multiplied is the SwiGLU's gradients for gate and up (`layer.gated_grads`, rounded as
     its backward rounds them, written to copy and copy2): columns [0, H) of out take d gate @ w^T
     for w's H rows, columns [H, R) d up @ w2^T for w2's R - H rows (of w's strides), each its
-    terms in the order of a product of its own (the other's, of finite values, are exact zeros).
-    ROPE: p is the gradient of rope's output, and what is multiplied (and written to copy) is rope's
-    input gradient, `layer.rotated` back by the tables cos and sin (T, E) at row m's position m % T
-    and column n's element n % E, rounded to copy's dtype: the bits of the fused rope's backward."""
+    terms in the order of a product of its own (the other's, of finite values, are exact zeros)."""
     after_prior()
     offs_m = tl.program_id(0) * BM + tl.arange(0, BM)
     pid_s = tl.program_id(1)
@@ -110,10 +104,6 @@ def _project_kernel(p, q, d, w, w2, part, out, count, copy, copy_rows, copy2, co
         n_mask = offs_n < N
         mn = m_mask[:, None] & n_mask[None, :]
         pt = tl.load(p + rows * stride_p + offs_n[None, :], mask=mn, other=0.0)
-        if ROPE:
-            at = (offs_m % T).to(tl.int64)[:, None] * E + (offs_n % E)[None, :]
-            pt = rotated(pt.to(tl.float32), tl.load(cos + at, mask=mn, other=0.0), tl.load(sin + at, mask=mn, other=0.0),
-                         True).to(copy.dtype.element_ty)
         if GATED or PAIRED:
             qt = tl.load(q + rows * stride_q + offs_n[None, :], mask=mn, other=0.0).to(tl.float32)
         if GATED:
@@ -161,15 +151,13 @@ def _project_result(acc, rows, cols, mask, out, out_plane, out_rows, joined, joi
 
 
 @triton.jit
-def _expand_kernel(q, w, base, out, cos, sin, M, N, R, T, E, q_plane, q_rows, stride_wn, stride_wr, scale,
-                   STEPS: tl.constexpr, HAS_BASE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, RP: tl.constexpr,
-                   TC: tl.constexpr, SCALED: tl.constexpr, ROPE: tl.constexpr):
+def _expand_kernel(q, w, base, out, M, N, R, q_plane, q_rows, stride_wn, stride_wr, scale, STEPS: tl.constexpr,
+                   HAS_BASE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, RP: tl.constexpr,
+                   TC: tl.constexpr, SCALED: tl.constexpr):
     """out (M, N) = base + q (M, R) @ w^T for q given by its three BF16 parts (planes q_plane
     apart, rows q_rows apart) and w (N, R) by its strides (times `scale` when SCALED:
-    `fp32.scaled`); FP32, one rounding. ROPE: that sum, rounded, then `layer.rotated` by rope's
-    tables cos and sin (T, E) at row m's position m % T and column n's element n % E, rounded again:
-    the bits of the fused rope over expand's output. Program (j, s) writes column tile j of row
-    tiles [s, s + 1) * STEPS, loading its tile of w once."""
+    `fp32.scaled`); FP32, one rounding. Program (j, s) writes column tile j of row tiles
+    [s, s + 1) * STEPS, loading its tile of w once."""
     after_prior()
     offs_n = tl.program_id(0) * BN + tl.arange(0, BN)
     pid_s = tl.program_id(1)
@@ -194,10 +182,6 @@ def _expand_kernel(q, w, base, out, cos, sin, M, N, R, T, E, q_plane, q_rows, st
         mask = m_mask[:, None] & n_mask[None, :]
         if HAS_BASE:
             acc += tl.load(base + ofs, mask=mask, other=0.0).to(tl.float32)
-        if ROPE:
-            at = (offs_m % T).to(tl.int64)[:, None] * E + (offs_n % E)[None, :]
-            acc = rotated(acc.to(out.dtype.element_ty).to(tl.float32), tl.load(cos + at, mask=mask, other=0.0),
-                          tl.load(sin + at, mask=mask, other=0.0), False)
         tl.store(out + ofs, acc.to(out.dtype.element_ty), mask=mask)
 
 
@@ -313,7 +297,7 @@ def _parts(tiles: int, steps: int, split: int) -> tuple[int, int]:
 def project(p: torch.Tensor, w: torch.Tensor, tiles: Tiles | None = None,
             parts: torch.Tensor | None = None, joined: tuple[torch.Tensor, int] | None = None,
             scale: float = 1.0, gated: tuple[torch.Tensor, torch.Tensor] | None = None,
-            paired: tuple | None = None, rope: tuple | None = None) -> torch.Tensor:
+            paired: tuple | None = None) -> torch.Tensor:
     """p (M, N) @ (scale * w)^T -> (M, R) FP32, for p's rows of contiguous elements (any row
     stride) and w (R, N) FP32 (any strides; scale * w rounded as torch rounds it); with `parts`
     ((3, M, R) BF16, e.g. columns of wider planes), written there as its BF16 parts instead, the
@@ -324,10 +308,7 @@ def project(p: torch.Tensor, w: torch.Tensor, tiles: Tiles | None = None,
     (up, dy, w2, dgate, dup): p and up are a SwiGLU's gate and up and dy its output's gradient;
     its gradients for gate and up are written into dgate and dup with the bits of its backward,
     and the result is [dgate @ (scale * w)^T | dup @ (scale * w2)^T] (w2 with w's strides), each
-    block the bits of a projection of its own (its tiles and parts). With `rope` (cos, sin, g):
-    p is the gradient of rope's output, for rope's tables (T, E), M rows of T positions each and N
-    columns of heads E wide; rope's input gradient (the bits of `layer.rope`'s backward) is written
-    into g (M, N) and multiplied."""
+    block the bits of a projection of its own (its tiles and parts)."""
     M, N = p.shape
     H = w.shape[0]
     R = H + (paired[2].shape[0] if paired is not None else 0)
@@ -335,9 +316,6 @@ def project(p: torch.Tensor, w: torch.Tensor, tiles: Tiles | None = None,
     assert p.stride(1) == 1 and (gated is None or joined is None and gated[0].stride(1) == 1 == gated[1].stride(1))
     assert paired is None or joined is None and gated is None and paired[2].stride() == w.stride() \
         and all(t.stride(1) == 1 for t in (paired[0], paired[1], paired[3], paired[4]))
-    T, E = rope[0].shape if rope is not None else (1, 1)
-    assert rope is None or joined is None and gated is None and paired is None and M % T == 0 == N % E \
-        and rope[2].shape == p.shape and rope[2].stride(1) == 1 and all(t.is_contiguous() for t in rope[:2])
     t = tiles or default_tiles("project", H)
     split, per = _parts(triton.cdiv(M, t.bm), triton.cdiv(N, t.bn), t.split)
     if paired is not None and tiles is None:
@@ -355,18 +333,15 @@ def project(p: torch.Tensor, w: torch.Tensor, tiles: Tiles | None = None,
     dy, w2, copy2 = p, w, copy
     if paired is not None:
         up, dy, w2, copy, copy2 = paired
-    cos, sin = p, p
-    if rope is not None:
-        cos, sin, copy = rope
     if M:
         _project_kernel[(triton.cdiv(M, t.bm), split)](
             p, up, dy, w, w2, part, out, out if count is None else count, copy, copy.stride(0), copy2, copy2.stride(0),
-            cos, sin, M, N, R, H, T, E, p.stride(0), up.stride(0), dy.stride(0), w.stride(0), w.stride(1), scale,
-            out.stride(0), out.stride(1), *joined_args(joined, R, out), STEPS=per, SPLIT=split, LAST=count is not None,
-            BM=t.bm, BN=t.bn, RP=_rank_tile(R), P_BF16=copy.dtype == torch.bfloat16, TC=t.tc,
-            COPY=copy is not p, SCALED=scale != 1.0, PARTS=parts is not None, JOINED=joined is not None,
-            GATED=gated is not None, PAIRED=paired is not None, ROPE=rope is not None, num_warps=t.warps,
-            num_stages=t.stages, **_exact_products(rope is not None), **launch_options(p.device))
+            M, N, R, H, p.stride(0), up.stride(0), dy.stride(0), w.stride(0), w.stride(1), scale, out.stride(0),
+            out.stride(1), *joined_args(joined, R, out), STEPS=per, SPLIT=split, LAST=count is not None, BM=t.bm,
+            BN=t.bn, RP=_rank_tile(R), P_BF16=copy.dtype == torch.bfloat16, TC=t.tc,
+            COPY=joined is not None or gated is not None or paired is not None, SCALED=scale != 1.0,
+            PARTS=parts is not None, JOINED=joined is not None, GATED=gated is not None, PAIRED=paired is not None,
+            num_warps=t.warps, num_stages=t.stages, **launch_options(p.device))
         if split > 1 and count is None:
             sum_splits(part, out=None if parts is not None else out, parts=parts, joined=joined)
     return out
@@ -384,41 +359,22 @@ def _check_parts(q: torch.Tensor, M: int) -> int:
 
 
 def expand(q: torch.Tensor, w: torch.Tensor, base: torch.Tensor | None, dtype: torch.dtype,
-           tiles: Tiles | None = None, scale: float = 1.0, rope: tuple | None = None,
-           out: torch.Tensor | None = None) -> torch.Tensor:
+           tiles: Tiles | None = None, scale: float = 1.0) -> torch.Tensor:
     """(base +) q (M, R) @ (scale * w)^T -> (M, N) in `dtype`, for q given by its BF16 parts
     (3, M, R) (rows of any stride, e.g. columns of wider planes) and w (N, R) FP32 (any strides;
-    scale * w rounded as torch rounds it). With `rope` (cos, sin), rope's tables (T, E) for M
-    rows of T positions each and N columns of heads E wide: that result rotated by them, the bits
-    of `layer.rope` over it. Into `out` (M, N) contiguous when given (base itself included: each
-    element is read before it is written, by the program that writes it)."""
+    scale * w rounded as torch rounds it)."""
     M = q.shape[1]
     R = _check_parts(q, M)
     N = w.shape[0]
-    T, E = rope[0].shape if rope is not None else (1, 1)
-    assert rope is None or M % T == 0 == N % E and all(t.is_contiguous() for t in rope)
-    assert base is None or base.is_contiguous()
     t = tiles or default_tiles("expand", R)
-    if rope is not None and tiles is None:    # the tables' tiles take registers: 4 warps spill at rank 16
-        t = dataclasses.replace(t, warps=8)
     split, per = _parts(triton.cdiv(N, t.bn), triton.cdiv(M, t.bm), t.split)
-    if out is None:
-        out = torch.empty(M, N, device=q.device, dtype=dtype)
-    assert out.shape == (M, N) and out.dtype == dtype and out.is_contiguous()
-    cos, sin = rope or (q, q)
+    out = torch.empty(M, N, device=q.device, dtype=dtype)
     if M:
         _expand_kernel[(triton.cdiv(N, t.bn), split)](
-            q, w, q if base is None else base, out, cos, sin, M, N, R, T, E, q.stride(0), q.stride(1), w.stride(0),
-            w.stride(1), scale, STEPS=per, HAS_BASE=base is not None, BM=t.bm, BN=t.bn, RP=_rank_tile(R), TC=t.tc,
-            SCALED=scale != 1.0, ROPE=rope is not None, num_warps=t.warps, num_stages=t.stages,
-            **_exact_products(rope is not None), **launch_options(q.device))
+            q, w, q if base is None else base, out, M, N, R, q.stride(0), q.stride(1), w.stride(0), w.stride(1),
+            scale, STEPS=per, HAS_BASE=base is not None, BM=t.bm, BN=t.bn, RP=_rank_tile(R), TC=t.tc,
+            SCALED=scale != 1.0, num_warps=t.warps, num_stages=t.stages, **launch_options(q.device))
     return out
-
-
-def _exact_products(rope: bool) -> dict:
-    """The launch options of a pass that rotates by rope's tables: no FMA may round a product and
-    the sum after it once, as the fused rope rounds each (`layer.rotated`)."""
-    return {"enable_fp_fusion": False} if rope else {}
 
 
 def reduce_tokens(p: torch.Tensor, q: torch.Tensor, tiles: Tiles | None = None, scale: float = 1.0,
@@ -555,34 +511,27 @@ class _AdaptedProjections(torch.autograd.Function):
     parts), one reduce over the tokens makes all their gradients from one read of x, and one expand
     makes the stacked du @ A. With `down` (A_down, its u's planes), the two outputs (gate, up) go
     through the fused SwiGLU inside the node, whose output y it returns, down's u made in that pass,
-    and the SwiGLU's backward is made with the group's du (`adapted_mlp`). An output with rope's
-    tables in `ropes` is the base's product, then expand adds the delta and rotates it; in backward
-    project makes rope's input gradient from the output's, keeps it for the rest (dB, dx)."""
+    and the SwiGLU's backward is made with the group's du (`adapted_mlp`)."""
 
     @staticmethod
-    def forward(ctx, x2d, bases, track, scales, u, down, ropes, *factors):
+    def forward(ctx, x2d, bases, track, scales, u, down, *factors):
         a_s, b_s = factors[:len(bases)], factors[len(bases):]
         dtype = _operand_dtype(x2d)
         xo = x2d.to(dtype)
         a = _stack(a_s, 0)                                        # (sum r_i, in)
         ctx.ranks = [t.shape[0] for t in a_s]
-        rotates = any(ropes)
-        joined = _joined(bases, x2d, dtype, ctx.ranks) if u is None and not rotates else None
-        ctx.below = _joined_grad(bases, x2d, dtype, ctx.ranks) if track and not rotates else 0
+        joined = _joined(bases, x2d, dtype, ctx.ranks) if u is None else None
+        ctx.below = _joined_grad(bases, x2d, dtype, ctx.ranks) if track else 0
         if u is None:                                             # (M, sum r_i) as its BF16 parts
             u = project(x2d, a, parts=_planes(x2d.shape[0], a.shape[0], x2d.device), joined=joined)
         outs, kept, ctx.graphs = [], [], []
-        for i, (base, cols, b, s, rope) in enumerate(zip(bases, _columns(ctx.ranks), b_s, scales, ropes)):
+        for i, (base, cols, b, s) in enumerate(zip(bases, _columns(ctx.ranks), b_s, scales)):
             u_i = u[:, :, cols]
             if joined is not None:
                 out, w = _joined_product(base, i, *joined, b, s, dtype)
             else:
                 w = base.operand(dtype, below=ctx.below) if ctx.below else base.operand(dtype)
-                if w is not None and rope is not None:           # the product, then expand adds and rotates
-                    with torch.autocast(x2d.device.type, enabled=False):
-                        out = torch.mm(xo, w.t())
-                    expand(u_i, b, out, dtype, scale=s, rope=rope, out=out)
-                elif w is not None:
+                if w is not None:
                     out = expand(u_i, b, None, dtype, scale=s)    # the delta; the GEMM adds x @ W^T
                     with torch.autocast(x2d.device.type, enabled=False):
                         out.addmm_(xo, w[:b.shape[0]].t())
@@ -594,7 +543,7 @@ class _AdaptedProjections(torch.autograd.Function):
                 with torch.enable_grad():
                     xb = x2d.detach().requires_grad_(track)
                     y = base(xb)                                  # (M, out_i), a fresh tensor
-                outs.append(expand(u_i, b, y.detach(), y.dtype, scale=s, rope=rope))
+                outs.append(expand(u_i, b, y.detach(), y.dtype, scale=s))
                 kept.append(None)
                 ctx.graphs.append((xb, y))
                 if track:
@@ -608,7 +557,7 @@ class _AdaptedProjections(torch.autograd.Function):
             outs = [y]
         ctx.save_for_backward(x2d, a, u, *gate_up, *b_s, *(w for w in kept if w is not None))
         ctx.kept = [w is not None for w in kept]
-        ctx.bases, ctx.dtype, ctx.scales, ctx.gated, ctx.ropes = bases, dtype, scales, down is not None, ropes
+        ctx.bases, ctx.dtype, ctx.scales, ctx.gated = bases, dtype, scales, down is not None
         if not track:
             ctx.graphs = [None] * len(bases)
         return tuple(outs)
@@ -631,12 +580,8 @@ class _AdaptedProjections(torch.autograd.Function):
             # the input gradient joined (`_joined_grad`): project also writes g' = [g | du's parts]
             wide = None if not (ctx.below and needs[0]) else \
                 torch.empty(x2d.shape[0], gs[0].shape[1] + ctx.below, device=x2d.device, dtype=ctx.dtype)
-            for i, (g, b, cols, s, rope) in enumerate(zip(gs, b_s, _columns(ctx.ranks), ctx.scales, ctx.ropes)):
-                if rope is not None:      # the gradient reaching the output before rope: made here, kept
-                    gs[i] = torch.empty_like(g)
-                    project(g, b.t(), parts=du[:, :, cols], scale=s, rope=(*rope, gs[i]))
-                else:
-                    project(g, b.t(), parts=du[:, :, cols], scale=s, joined=None if wide is None else (wide, 0))
+            for g, b, cols, s in zip(gs, b_s, _columns(ctx.ranks), ctx.scales):
+                project(g, b.t(), parts=du[:, :, cols], scale=s, joined=None if wide is None else (wide, 0))
         dx = None
         if wide is not None:
             dx = _joined_input_grad(ctx.bases[0], next(kept) if ctx.kept[0] else None, wide, a, ctx.dtype, ctx.below)
@@ -657,30 +602,24 @@ class _AdaptedProjections(torch.autograd.Function):
                 dx = expand(du, a.t(), dx, x2d.dtype)
         ctx.graphs = None
         da = [None] * n
-        if any(needs[7:7 + n]):                                   # (r_i, in) = du_i^T x, rows of one tensor
+        if any(needs[6:6 + n]):                                   # (r_i, in) = du_i^T x, rows of one tensor
             da = [d if need else None
-                  for d, need in zip(reduce_tokens(x2d, du, transposed=True).split(ctx.ranks), needs[7:7 + n])]
+                  for d, need in zip(reduce_tokens(x2d, du, transposed=True).split(ctx.ranks), needs[6:6 + n])]
         db = [reduce_tokens(g, u[:, :, cols], scale=s) if need else None      # (out_i, r_i) = s_i g_i^T u_i
-              for g, cols, s, need in zip(gs, _columns(ctx.ranks), ctx.scales, needs[7 + n:])]
-        return dx, None, None, None, None, None, None, *da, *db
+              for g, cols, s, need in zip(gs, _columns(ctx.ranks), ctx.scales, needs[6 + n:])]
+        return dx, None, None, None, None, None, *da, *db
 
 
-def adapted_projections(bases, x: torch.Tensor, a_s, b_s, scales=None, ropes=None) -> tuple[torch.Tensor, ...]:
+def adapted_projections(bases, x: torch.Tensor, a_s, b_s, scales=None) -> tuple[torch.Tensor, ...]:
     """base_i(x) + (x @ a_i^T) @ (s_i b_i)^T for each i, each in its base output's dtype: x (..., in)
     of any float dtype, `bases` frozen projection modules (outputs (..., out_i), 2-D in and out
     along the last dimension), a_i (r_i, in) and b_i (out_i, r_i) FP32, s_i the floats `scales`
-    (the adapters' scales; default all 1). `ropes`: for each output None, or rope's tables (cos,
-    sin) (T, E) for x of T positions a sequence (..., T, in) and an output of heads E wide, which
-    that output is then rotated by in expand's pass: the bits of `layer.rope` over the output made
-    with the base's product first and expand adding the delta to it (one more rounding than the
-    delta added inside the product), and in backward rope's input gradient made in project's pass
-    over the output's gradient (the bits of rope's backward, then this node's): no pass of rope's
-    own reads or writes q or k."""
+    (the adapters' scales; default all 1)."""
     lead = x.shape[:-1]
     x2d = x.reshape(-1, x.shape[-1]).contiguous()
     scales = tuple(float(s) for s in scales) if scales is not None else (1.0,) * len(bases)
     outs = _AdaptedProjections.apply(x2d, tuple(bases), torch.is_grad_enabled() and x.requires_grad, scales, None,
-                                     None, tuple(ropes or (None,) * len(bases)), *a_s, *b_s)
+                                     None, *a_s, *b_s)
     return tuple(out.reshape(*lead, out.shape[-1]) for out in outs)
 
 
@@ -707,7 +646,7 @@ def adapted_mlp(x: torch.Tensor, bases, a_s, b_s, scale: float, down, a: torch.T
     x2d = x.reshape(M, x.shape[-1]).contiguous()
     u = _planes(M, a.shape[0], x.device)
     (y,) = _AdaptedProjections.apply(x2d, tuple(bases), torch.is_grad_enabled() and x.requires_grad,
-                                     (float(scale),) * 2, None, (a, u), (None, None), *a_s, *b_s)
+                                     (float(scale),) * 2, None, (a, u), *a_s, *b_s)
     (out,) = _AdaptedProjections.apply(y, (down,), torch.is_grad_enabled() and y.requires_grad, (float(down_scale),),
-                                       u, None, (None,), a, b)
+                                       u, None, a, b)
     return out.reshape(*lead, out.shape[-1])

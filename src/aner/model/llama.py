@@ -203,23 +203,6 @@ def shared_input(x, modules):
     return tuple(m(x) for m in modules)
 
 
-def roped_heads(x, modules, rope, cos, sin, heads):
-    """rope(q, k, v, cos, sin) for (q, k, v) = shared_input(x, modules), each seen as heads (B, n,
-    T, E) for its count n in `heads`. A module type with `roped(x, modules, rope, tables)` (the
-    fused adapters) may make q and k rotated by their tables (cos, sin) in the passes that make
-    them (v's tables: None); it returns None where it does not."""
-    def as_heads(t, n):
-        B, T, N = t.shape
-        return t.view(B, T, n, N // n).transpose(1, 2)
-    kind = type(modules[0])
-    made = None
-    if hasattr(kind, "roped") and all(type(m) is kind for m in modules):
-        made = kind.roped(x, modules, rope, ((cos, sin), (cos, sin), None))
-    if made is not None:
-        return tuple(as_heads(t, n) for t, n in zip(made, heads))
-    return rope(*(as_heads(t, n) for t, n in zip(shared_input(x, modules), heads)), cos, sin)
-
-
 def gated_mlp(x, modules, swiglu, down):
     """down(swiglu(gate, up)) for (gate, up) = shared_input(x, modules). A module type with
     `gated(x, modules, swiglu, down)` (the fused adapters) takes it when all three modules are of
@@ -243,8 +226,11 @@ class Block(nn.Module):
     def attention(self, x, cos, sin):
         c = self.config
         B, T, _ = x.shape
-        # q (B, H, T, E), k and v (B, K, T, E), q and k rotated
-        q, k, v = roped_heads(x, self.groups()[0], self.rope, cos, sin, (c.n_head, c.n_kv_head, c.n_kv_head))
+        q, k, v = shared_input(x, self.groups()[0])
+        q = q.view(B, T, c.n_head, c.head_dim).transpose(1, 2)       # (B, H, T, E)
+        k = k.view(B, T, c.n_kv_head, c.head_dim).transpose(1, 2)    # (B, K, T, E)
+        v = v.view(B, T, c.n_kv_head, c.head_dim).transpose(1, 2)    # (B, K, T, E)
+        q, k, v = self.rope(q, k, v, cos, sin)
         y = self.attend(q, k, v).transpose(1, 2).reshape(B, T, c.dim)              # (B, T, D)
         return self.attn_output(y)
 
