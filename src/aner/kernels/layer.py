@@ -40,6 +40,7 @@ from torch import nn
 from ..errors import ConfigError
 from ..model.llama import side_by_side
 from . import FLOATS, TARGET_PROGRAMS
+from .fp32 import scaled
 from .launch import after_prior, launch_options
 from .splits import sum_splits
 
@@ -323,15 +324,18 @@ def _sigmoid(a):
 @triton.jit
 def gated(a, b):
     """silu(a) * b = a * sigmoid(a) * b in FP32, for FP32 a and b: the fused SwiGLU's output before
-    its one rounding (also made by `kernels.lora.project` where it reads gate and up)."""
-    return a * _sigmoid(a) * b
+    its one rounding (also made by `kernels.lora.project` where it reads gate and up). Its last
+    product is rounded on its own (`fp32.scaled`): where project splits an FP32 result into BF16
+    parts, no FMA may take the product and the split's subtraction as one."""
+    return scaled(a * _sigmoid(a), b)
 
 
 @triton.jit
 def gated_grads(a, b, g):
-    """The gradients of `gated` for g = d out, FP32 (d a, d b), before their one rounding each."""
+    """The gradients of `gated` for g = d out, FP32 (d a, d b), before their one rounding each;
+    each last product rounded on its own, as `gated`'s."""
     s = _sigmoid(a)
-    return g * b * s * (1.0 + a * (1.0 - s)), g * a * s
+    return scaled(g * b * s, 1.0 + a * (1.0 - s)), scaled(g * a, s)
 
 
 @triton.jit
