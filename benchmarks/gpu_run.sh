@@ -29,9 +29,6 @@
 #   lora        benchmarks/lora_kernels.py (fused adapter kernels)   -> <date>-h200-lora-kernels.json
 #               (LORA=--sweep: the tile grid at every shape of a Llama-3.2-1B and Llama-3.1-8B update;
 #               LORA=--sums: there, the parts summed by each tile's last program against a second launch)
-#   gated       benchmarks/lora_kernels.py --gated (the MLP's passes over the SwiGLU's operands as adapted_mlp
-#               makes them, forward and backward, against the SwiGLU's kernels, then project)
-#                                                                     -> <date>-h200-lora-gated.json
 #   adamw       benchmarks/adamw.py (ours against torch.optim.AdamW) -> <date>-h200-adamw.json
 #   norms       benchmarks/norm_kernels.py (RMSNorm backward, sum_splits) -> <date>-h200-norm-kernels.json
 #   attention   benchmarks/attention.py (fused causal attention against PyTorch's) -> <date>-h200-attention.json
@@ -134,7 +131,6 @@ for stage in "$@"; do
               | tee "$OUT/joined-delta.log" ;;
     joint) python3 benchmarks/joint_gemms.py "$OUT/$day-h200-joint-gemms.json" 2>&1 | tee "$OUT/joint-gemms.log" ;;
     lora) python3 benchmarks/lora_kernels.py "$OUT/$day-h200-lora-kernels.json" ${LORA:-} 2>&1 | tee "$OUT/lora-kernels.log" | tail -n 60 ;;
-    gated) python3 benchmarks/lora_kernels.py "$OUT/$day-h200-lora-gated.json" --gated 2>&1 | tee "$OUT/lora-gated.log" ;;
     overlap) python3 benchmarks/overlap.py "$OUT/$day-h200-overlap.json" 2>&1 \
                | tee "$OUT/overlap.log" ;;
     energy) python3 benchmarks/energy.py "$OUT/$day-h200-energy.json" ${COMBOS:-} 2>&1 \

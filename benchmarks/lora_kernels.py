@@ -1,6 +1,6 @@
 """Fused low-rank adapter kernels against the same FP32 products written with torch ops, on a GPU.
 
-    PYTHONPATH=src python3 benchmarks/lora_kernels.py OUT.json [--sweep [OP ...] | --sums | --gated]
+    PYTHONPATH=src python3 benchmarks/lora_kernels.py OUT.json [--sweep [OP ...] | --sums]
 
 One adapter's forward and backward at the training shapes (8192 tokens, rank 16, BF16
 activations; Llama-3.2-1B's 2048 and 8192 widths): each op and tile variant is first checked on
@@ -23,12 +23,6 @@ and of the best per shape.
 times them, their parts summed by the last program of each tile against a second launch
 (`splits.sum_splits`), whatever the number of parts: the same bits checked, the time of each and,
 per model, an update's with each and with the default's choice (`splits.LAST_PARTS`).
-
---gated: the MLP's passes over the SwiGLU's operands at SmolLM2-135M's, Llama-3.2-1B's and
-Llama-3.1-8B's widths (8192 tokens, rank 16, BF16), as `adapted_mlp` makes them against the
-SwiGLU's kernels and project: forward, y = silu(gate) * up and down's u = y @ A^T (project's
-`gated`); backward, the SwiGLU's gradients for gate and up and gate's and up's du (project's
-`paired`). The same bits checked, the time of each and an update's difference.
 """
 import datetime
 import itertools
@@ -231,58 +225,9 @@ def sums(out):
                    "rows": rows}, f, indent=1)
 
 
-def gated(out):
-    from aner.kernels.layer import _swiglu_launch
-    rows = []
-    for model, (F, layers) in {"smollm2-135m": (1536, 30), "llama-3.2-1b": (8192, 16),
-                               "llama-3.1-8b": (14336, 32)}.items():
-        g = torch.Generator(device="cuda").manual_seed(F)
-        copies = -(-2 ** 28 // (M * F * 4))                       # gate and up of all copies: >= 256 MiB
-        gates, ups, dys = ([torch.randn(M, F, device="cuda", generator=g).bfloat16() for _ in range(copies)]
-                           for _ in range(3))
-        a = torch.randn(R, F, device="cuda", generator=g) / F ** 0.5
-        bg, bu = (torch.randn(F, R, device="cuda", generator=g) * 0.1 for _ in range(2))
-        outs = [[torch.empty(M, F, device="cuda", dtype=torch.bfloat16) for _ in range(2)] for _ in range(2)]
-        planes = [torch.empty(3, M, 2 * R, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
-
-        def forward_apart(i):
-            _swiglu_launch(gates[i], ups[i], gates[i], outs[0][0], outs[0][0], backward=False)
-            return L.project(outs[0][0], a, parts=planes[0][:, :, :R])
-
-        def forward_together(i):
-            return L.project(gates[i], a, parts=planes[1][:, :, :R], gated=(ups[i], outs[1][0]))
-
-        def backward_apart(i):
-            _swiglu_launch(gates[i], ups[i], dys[i], *outs[0], backward=True)
-            L.project(outs[0][0], bg.t(), parts=planes[0][:, :, :R], scale=2.0)
-            return L.project(outs[0][1], bu.t(), parts=planes[0][:, :, R:], scale=2.0)
-
-        def backward_together(i):
-            return L.project(gates[i], bg.t(), parts=planes[1], scale=2.0, paired=(ups[i], dys[i], bu.t(), *outs[1]))
-        row = {"model": model, "F": F}
-        for way, apart, together, n in (("forward", forward_apart, forward_together, 1),
-                                        ("backward", backward_apart, backward_together, 2)):
-            apart(0), together(0)                                # what each way writes: n outputs, n R columns
-            same = all(torch.equal(p, q) for p, q in zip(outs[0][:n], outs[1][:n])) \
-                and torch.equal(planes[0][:, :, :n * R], planes[1][:, :, :n * R])
-            row[f"{way}_same_bits"] = same
-            row[f"{way}_apart_ms"] = bench_graphed(apart, copies)
-            row[f"{way}_together_ms"] = bench_graphed(together, copies)
-            row[f"{way}_update_saved_ms"] = (row[f"{way}_apart_ms"] - row[f"{way}_together_ms"]) * layers
-            print(f"{model:13} F={F:<6} {way:8} the SwiGLU's kernel, then project "
-                  f"{row[f'{way}_apart_ms'] * 1e3:6.1f} us, in one pass {row[f'{way}_together_ms'] * 1e3:6.1f} us, "
-                  f"an update {row[f'{way}_update_saved_ms']:.2f} ms less, same bits {same}", flush=True)
-        rows.append(row)
-    with open(out, "w") as f:
-        json.dump({"schema": "aner.lora_gated/1", "date": datetime.date.today().isoformat(),
-                   "device": torch.cuda.get_device_name(0), "torch": torch.__version__, "rows": rows}, f, indent=1)
-
-
 def main():
     if "--sums" in sys.argv:
         return sums(sys.argv[1])
-    if "--gated" in sys.argv:
-        return gated(sys.argv[1])
     if "--sweep" in sys.argv:
         return sweep(sys.argv[1], sys.argv[sys.argv.index("--sweep") + 1:] or ["project", "expand", "reduce_tokens"])
     out = sys.argv[1]

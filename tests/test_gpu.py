@@ -307,8 +307,7 @@ def test_joined_deltas_train_as_the_deltas_added(tiny_factory, data, monkeypatch
     BF16, rank 8 on all seven projections), on a model whose gate and up are twice x's width:
     their deltas join the decoded products (`kernels.lora._joined`), the others' do not; down's
     input is twice its output's width: du @ A joins its input gradient (`kernels.lora._joined_grad`),
-    no other's does; the MLP is made in fewer passes (`kernels.lora.adapted_mlp`);
-    the kept decodes are counted 3 r columns or rows more along their longer side.
+    no other's does; the kept decodes are counted 3 r columns or rows more along their longer side.
     The losses are those of a floating base holding the decoded weights, where every delta is
     added, to 1e-3; recorded graphs give the eager bits, and resume is exact."""
     from aner.kernels import lora
@@ -331,18 +330,15 @@ def test_joined_deltas_train_as_the_deltas_added(tiny_factory, data, monkeypatch
         out = joined_grad(bases, x2d, *args)
         grads.append((len(bases), x2d.shape[1], out))
         return out
-    mlps, adapted_mlp = [], lora.adapted_mlp
     monkeypatch.setattr(lora, "_joined", spy)
     monkeypatch.setattr(lora, "_joined_grad", spy_grad)
-    monkeypatch.setattr(lora, "adapted_mlp", lambda *args: mlps.append(1) or adapted_mlp(*args))
     src = packed.with_training_profile(nf4_kernel="decoded_kept", **profile).lora(**lora_kw)
     plain = packed.with_training_profile(nf4_kernel="decoded_kept", **profile).memory_summary()
     longer = sum(max(packed._weights[n].shape) for n in src._method.config.targets)
     assert src.memory_summary().dequant_tile_bytes == plain.dequant_tile_bytes + longer * 3 * 8 * 2
     eager = src.fine_tune(tr, va, steps=4, **kw)
-    assert set(joins) == {(3, False), (2, True), (1, False)}     # q, k, v; gate, up; o (down's u comes made)
+    assert set(joins) == {(3, False), (2, True), (1, False)}     # q, k, v; gate, up; o and down
     assert set(grads) == {(3, 64, 0), (2, 64, 0), (1, 64, 0), (1, 128, 24)}     # the same; down's joins
-    assert mlps and len(mlps) == len(joins) / 3                  # each layer's MLP, each forward
     added = dense.with_training_profile(**profile).lora(**lora_kw).fine_tune(tr, va, steps=4, **kw)
     assert np.allclose(eager._state.losses, added._state.losses, rtol=1e-3, atol=0)
     graphed = src.with_training_profile(nf4_kernel="decoded_kept", cuda_graphs=True, **profile)

@@ -48,21 +48,6 @@ class LoRALinear(nn.Module):
         return adapted_projections([m.base for m in modules], x, [m.lora_a for m in modules],
                                    [m.lora_b for m in modules], [m.scale for m in modules])
 
-    @staticmethod
-    def gated(x, modules, swiglu, down):
-        """down(swiglu(*joint(x, modules))): through the fused kernels with the fused SwiGLU where
-        all three are fused, gate's and up's adapters have one rank and scale and x is in one of
-        `kernels.lora.MLP_DTYPES`, in fewer passes over the SwiGLU's operands
-        (`kernels.lora.adapted_mlp`, the same bits)."""
-        gate, up = modules
-        if all(m.fused for m in (gate, up, down)) and gate.lora_a.shape[0] == up.lora_a.shape[0] \
-                and gate.scale == up.scale:
-            from ..kernels import layer, lora
-            if swiglu is layer.swiglu and x.dtype in lora.MLP_DTYPES:
-                return lora.adapted_mlp(x, (gate.base, up.base), (gate.lora_a, up.lora_a), (gate.lora_b, up.lora_b),
-                                        gate.scale, down.base, down.lora_a, down.lora_b, down.scale)
-        return down(swiglu(*LoRALinear.joint(x, modules)))
-
 
 class LoRA(Method):
     def __init__(self, config):

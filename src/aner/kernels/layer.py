@@ -40,7 +40,6 @@ from torch import nn
 from ..errors import ConfigError
 from ..model.llama import side_by_side
 from . import FLOATS, TARGET_PROGRAMS
-from .fp32 import scaled
 from .launch import after_prior, launch_options
 from .splits import sum_splits
 
@@ -316,29 +315,6 @@ def add_rms_norm(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, eps: fl
 
 
 @triton.jit
-def _sigmoid(a):
-    """1 / (1 + exp(-a)) in FP32, with an IEEE division."""
-    return tl.math.div_rn(1.0, 1.0 + tl.exp(-a))
-
-
-@triton.jit
-def gated(a, b):
-    """silu(a) * b = a * sigmoid(a) * b in FP32, for FP32 a and b: the fused SwiGLU's output before
-    its one rounding (also made by `kernels.lora.project` where it reads gate and up). Its last
-    product is rounded on its own (`fp32.scaled`): where project splits an FP32 result into BF16
-    parts, no FMA may take the product and the split's subtraction as one."""
-    return scaled(a * _sigmoid(a), b)
-
-
-@triton.jit
-def gated_grads(a, b, g):
-    """The gradients of `gated` for g = d out, FP32 (d a, d b), before their one rounding each;
-    each last product rounded on its own, as `gated`'s."""
-    s = _sigmoid(a)
-    return scaled(g * b * s, 1.0 + a * (1.0 - s)), scaled(g * a, s)
-
-
-@triton.jit
 def _swiglu_kernel(gate, up, g, out, dup, F, s_gate, s_up, s_g, s_out, s_dup,
                    BACKWARD: tl.constexpr, BLOCK: tl.constexpr):
     """BLOCK columns of one row (each tensor's rows s_* apart). Forward: out = silu(gate) * up.
@@ -350,12 +326,13 @@ def _swiglu_kernel(gate, up, g, out, dup, F, s_gate, s_up, s_g, s_out, s_dup,
     mask = col < F
     a = tl.load(gate + row * s_gate + col, mask=mask, other=0.0).to(tl.float32)
     b = tl.load(up + row * s_up + col, mask=mask, other=0.0).to(tl.float32)
+    s = tl.math.div_rn(1.0, 1.0 + tl.exp(-a))
     if BACKWARD:
-        da, db = gated_grads(a, b, tl.load(g + row * s_g + col, mask=mask, other=0.0).to(tl.float32))
-        tl.store(out + row * s_out + col, da.to(out.dtype.element_ty), mask=mask)
-        tl.store(dup + row * s_dup + col, db.to(dup.dtype.element_ty), mask=mask)
+        dy = tl.load(g + row * s_g + col, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out + row * s_out + col, (dy * b * s * (1.0 + a * (1.0 - s))).to(out.dtype.element_ty), mask=mask)
+        tl.store(dup + row * s_dup + col, (dy * a * s).to(dup.dtype.element_ty), mask=mask)
     else:
-        tl.store(out + row * s_out + col, gated(a, b).to(out.dtype.element_ty), mask=mask)
+        tl.store(out + row * s_out + col, (a * s * b).to(out.dtype.element_ty), mask=mask)
 
 
 def _swiglu_launch(gate, up, g, out, dup, backward: bool):
@@ -397,8 +374,7 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up computed in FP32 and rounded once to their promoted dtype (the torch
     expression rounds silu(gate) first), with gradients for both; same-shaped tensors whose rows
     are contiguous (any row stride: e.g. columns of one product's output). When gate and up are
-    side by side in one tensor, their gradients are too, one buffer. (`kernels.lora.adapted_mlp`
-    makes the same bits with the adapters around it, from `gated` and `gated_grads`.)"""
+    side by side in one tensor, their gradients are too, one buffer."""
     if gate.dtype not in FLOATS or up.dtype not in FLOATS:
         raise ConfigError(f"swiglu gate {gate.dtype}, up {up.dtype}; accepted: float32, float16 or bfloat16")
     if gate.shape != up.shape or gate.device != up.device:

@@ -25,10 +25,7 @@ joins the input gradient's GEMM (`_joined_grad`): g and du's parts side by side,
 decoded weight. Any other base's output is read by expand, which adds the delta to it in FP32
 and rounds once. Projections that read one input (q, k, v; gate, up) go together
 (`adapted_projections`): their A's stacked, x is read once by project and once by reduce_tokens,
-and one expand writes du @ A for the input gradient. Where gate, up and down are all adapted
-and the SwiGLU between them is the fused one (`adapted_mlp`), project makes the SwiGLU's output
-and down's u in one pass over gate and up, and in backward the SwiGLU's gradients and gate's and
-up's du in one pass over gate, up and the gradient: neither is read back for u or du.
+and one expand writes du @ A for the input gradient.
 
 Each reads its (M, N) operand once in its own dtype (FP32, FP16 or BF16) and computes its
 products to FP32 accuracy, as the adapter policy requires: on the tensor cores through exact BF16
@@ -43,7 +40,6 @@ where they are many (`splits.tile_counts`), the same bits either way. Tiles and 
 functions of the shapes: the same inputs give the same bits on every run. The pure-torch reference
 is the unfused path in `aner.adapters`.
 """
-import dataclasses
 import itertools
 from dataclasses import dataclass
 
@@ -54,7 +50,6 @@ import triton.language as tl
 from . import TARGET_PROGRAMS, joins_deltas
 from .fp32 import bf16_parts, fp32_dot, parts_dot, scaled, six_dot
 from .launch import after_prior, launch_options
-from .layer import gated, gated_grads
 from .splits import joined_args, last_part, ordered_sum, store_parts, sum_splits, tile_counts
 
 
@@ -73,60 +68,38 @@ class Tiles:
 
 
 @triton.jit
-def _project_kernel(p, q, d, w, w2, part, out, count, copy, copy_rows, copy2, copy2_rows, M, N, R, H, stride_p,
-                    stride_q, stride_d, stride_wr, stride_wn, scale, out_plane, out_rows, joined, joined_rows, left,
-                    right, STEPS: tl.constexpr, SPLIT: tl.constexpr, LAST: tl.constexpr, BM: tl.constexpr,
-                    BN: tl.constexpr, RP: tl.constexpr, P_BF16: tl.constexpr, TC: tl.constexpr, COPY: tl.constexpr,
-                    SCALED: tl.constexpr, PARTS: tl.constexpr, JOINED: tl.constexpr, GATED: tl.constexpr,
-                    PAIRED: tl.constexpr):
-    """out (M, R) = p (M, N) @ w^T, for p's rows stride_p apart and w (R, N) given by its strides
-    (times `scale` when SCALED: `fp32.scaled`), in SPLIT parts of N's columns: program (i, s)
-    multiplies columns [s, s + 1) * STEPS * BN into part[s] (FP32), and with LAST the last of a
-    row tile's programs to finish (`splits.last_part`) writes their ordered sum; in one part, the
-    program writes its product. out is FP32, or with PARTS the result's BF16 parts (planes
-    out_plane apart), also written into `joined` when JOINED (`splits.store_parts`). COPY: p also
-    written to `copy`'s rows, copy_rows apart. GATED: the p multiplied is silu(p) * q (q's rows
-    stride_q apart) rounded to copy's dtype as the fused SwiGLU rounds it (`layer.gated`).
-    PAIRED: p and q are a SwiGLU's gate and up and d (rows stride_d apart) its output's gradient;
-    what is multiplied is the SwiGLU's gradients for gate and up (`layer.gated_grads`, rounded as
-    its backward rounds them, written to copy and copy2): columns [0, H) of out take d gate @ w^T
-    for w's H rows, columns [H, R) d up @ w2^T for w2's R - H rows (of w's strides), each its
-    terms in the order of a product of its own (the other's, of finite values, are exact zeros)."""
+def _project_kernel(p, w, part, out, count, copy, copy_rows, M, N, R, stride_wr, stride_wn, scale, out_plane,
+                    out_rows, joined, joined_rows, left, right, STEPS: tl.constexpr, SPLIT: tl.constexpr,
+                    LAST: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, RP: tl.constexpr,
+                    P_BF16: tl.constexpr, TC: tl.constexpr, COPY: tl.constexpr, SCALED: tl.constexpr,
+                    PARTS: tl.constexpr, JOINED: tl.constexpr):
+    """out (M, R) = p (M, N) @ w^T, for w (R, N) given by its strides (times `scale` when SCALED:
+    `fp32.scaled`), in SPLIT parts of N's columns: program (i, s) multiplies columns [s, s + 1) *
+    STEPS * BN into part[s] (FP32), and with LAST the last of a row tile's programs to finish
+    (`splits.last_part`) writes their ordered sum; in one part, the program writes its product.
+    out is FP32, or with PARTS the result's BF16 parts (planes out_plane apart), also written into
+    `joined` when JOINED (`splits.store_parts`). COPY: p also written to `copy`'s rows, copy_rows
+    apart."""
     after_prior()
     offs_m = tl.program_id(0) * BM + tl.arange(0, BM)
     pid_s = tl.program_id(1)
     offs_r = tl.arange(0, RP)
     m_mask = offs_m < M
-    rows = offs_m.to(tl.int64)[:, None]
+    p_rows = p + offs_m.to(tl.int64)[:, None] * N
     acc = tl.zeros((BM, RP), dtype=tl.float32)
     for i in range(0, STEPS):                       # a constexpr trip count: one compile per width
         offs_n = (pid_s * STEPS + i) * BN + tl.arange(0, BN)
         n_mask = offs_n < N
-        mn = m_mask[:, None] & n_mask[None, :]
-        pt = tl.load(p + rows * stride_p + offs_n[None, :], mask=mn, other=0.0)
-        if GATED or PAIRED:
-            qt = tl.load(q + rows * stride_q + offs_n[None, :], mask=mn, other=0.0).to(tl.float32)
-        if GATED:
-            pt = gated(pt.to(tl.float32), qt).to(copy.dtype.element_ty)
-        if PAIRED:
-            pt, pt2 = gated_grads(pt.to(tl.float32), qt,
-                                  tl.load(d + rows * stride_d + offs_n[None, :], mask=mn, other=0.0).to(tl.float32))
-            pt, pt2 = pt.to(copy.dtype.element_ty), pt2.to(copy2.dtype.element_ty)
-            tl.store(copy2 + rows * copy2_rows + offs_n[None, :], pt2, mask=mn)
+        pt = tl.load(p_rows + offs_n[None, :], mask=m_mask[:, None] & n_mask[None, :], other=0.0)
         if COPY:
-            tl.store(copy + rows * copy_rows + offs_n[None, :], pt, mask=mn)
+            tl.store(copy + offs_m.to(tl.int64)[:, None] * copy_rows + offs_n[None, :], pt,
+                     mask=m_mask[:, None] & n_mask[None, :])
         wt = tl.load(w + offs_r[None, :] * stride_wr + offs_n[:, None] * stride_wn,
-                     mask=n_mask[:, None] & (offs_r < H)[None, :], other=0.0)       # (BN, RP)
+                     mask=n_mask[:, None] & (offs_r < R)[None, :], other=0.0)       # (BN, RP)
         if SCALED:
             wt = scaled(wt, scale)
         acc = fp32_dot(pt, wt, acc, P_BF16, TC)
-        if PAIRED:
-            wt2 = tl.load(w2 + (offs_r - H)[None, :] * stride_wr + offs_n[:, None] * stride_wn,
-                          mask=n_mask[:, None] & ((offs_r >= H) & (offs_r < R))[None, :], other=0.0)
-            if SCALED:
-                wt2 = scaled(wt2, scale)
-            acc = fp32_dot(pt2, wt2, acc, P_BF16, TC)
-    cols = offs_r[None, :]
+    rows, cols = offs_m.to(tl.int64)[:, None], offs_r[None, :]
     mask = m_mask[:, None] & (offs_r < R)[None, :]
     if SPLIT == 1:
         _project_result(acc, rows, cols, mask, out, out_plane, out_rows, joined, joined_rows, R, left, right,
@@ -296,32 +269,16 @@ def _parts(tiles: int, steps: int, split: int) -> tuple[int, int]:
 
 def project(p: torch.Tensor, w: torch.Tensor, tiles: Tiles | None = None,
             parts: torch.Tensor | None = None, joined: tuple[torch.Tensor, int] | None = None,
-            scale: float = 1.0, gated: tuple[torch.Tensor, torch.Tensor] | None = None,
-            paired: tuple | None = None) -> torch.Tensor:
-    """p (M, N) @ (scale * w)^T -> (M, R) FP32, for p's rows of contiguous elements (any row
-    stride) and w (R, N) FP32 (any strides; scale * w rounded as torch rounds it); with `parts`
-    ((3, M, R) BF16, e.g. columns of wider planes), written there as its BF16 parts instead, the
-    operand expand and reduce_tokens take. With `joined` (x', r_0) and parts: p and the parts also
-    written into x' as `_joined` lays them out. With `gated` (up, y): p is a SwiGLU's gate, and
-    what is multiplied is y = silu(p) * up, written into y (M, N) with the bits of the fused
-    SwiGLU's (`layer.swiglu`), as the pass reads p and up: y is not read again. With `paired`
-    (up, dy, w2, dgate, dup): p and up are a SwiGLU's gate and up and dy its output's gradient;
-    its gradients for gate and up are written into dgate and dup with the bits of its backward,
-    and the result is [dgate @ (scale * w)^T | dup @ (scale * w2)^T] (w2 with w's strides), each
-    block the bits of a projection of its own (its tiles and parts)."""
+            scale: float = 1.0) -> torch.Tensor:
+    """p (M, N) @ (scale * w)^T -> (M, R) FP32, for w (R, N) FP32 (any strides; scale * w rounded
+    as torch rounds it); with `parts` ((3, M, R) BF16, e.g. columns of wider planes), written there
+    as its BF16 parts instead, the operand expand and reduce_tokens take. With `joined` (x', r_0)
+    and parts: p and the parts also written into x' as `_joined` lays them out."""
     M, N = p.shape
-    H = w.shape[0]
-    R = H + (paired[2].shape[0] if paired is not None else 0)
+    R = w.shape[0]
     assert joined is None or parts is not None
-    assert p.stride(1) == 1 and (gated is None or joined is None and gated[0].stride(1) == 1 == gated[1].stride(1))
-    assert paired is None or joined is None and gated is None and paired[2].stride() == w.stride() \
-        and all(t.stride(1) == 1 for t in (paired[0], paired[1], paired[3], paired[4]))
-    t = tiles or default_tiles("project", H)
+    t = tiles or default_tiles("project", R)
     split, per = _parts(triton.cdiv(M, t.bm), triton.cdiv(N, t.bn), t.split)
-    if paired is not None and tiles is None:
-        # the SwiGLU's gradients take registers: half the rows a program at 8 warps (128 rows spill
-        # at rank 16), the parts of a projection of its own kept (each row's sums are its own)
-        t = dataclasses.replace(t, bm=t.bm // 2, warps=8)
     if parts is None:
         out = torch.empty(M, R, device=p.device, dtype=torch.float32)
     else:
@@ -329,19 +286,14 @@ def project(p: torch.Tensor, w: torch.Tensor, tiles: Tiles | None = None,
         out = parts
     count = tile_counts(p.device, triton.cdiv(M, t.bm), split)
     part = out if split == 1 else torch.empty(split, M, R, device=p.device, dtype=torch.float32)
-    up, copy = gated or (p, p if joined is None else joined[0][:, 3 * joined[1]:3 * joined[1] + N])
-    dy, w2, copy2 = p, w, copy
-    if paired is not None:
-        up, dy, w2, copy, copy2 = paired
+    copy = p if joined is None else joined[0][:, 3 * joined[1]:3 * joined[1] + N]
     if M:
         _project_kernel[(triton.cdiv(M, t.bm), split)](
-            p, up, dy, w, w2, part, out, out if count is None else count, copy, copy.stride(0), copy2, copy2.stride(0),
-            M, N, R, H, p.stride(0), up.stride(0), dy.stride(0), w.stride(0), w.stride(1), scale, out.stride(0),
-            out.stride(1), *joined_args(joined, R, out), STEPS=per, SPLIT=split, LAST=count is not None, BM=t.bm,
-            BN=t.bn, RP=_rank_tile(R), P_BF16=copy.dtype == torch.bfloat16, TC=t.tc,
-            COPY=joined is not None or gated is not None or paired is not None, SCALED=scale != 1.0,
-            PARTS=parts is not None, JOINED=joined is not None, GATED=gated is not None, PAIRED=paired is not None,
-            num_warps=t.warps, num_stages=t.stages, **launch_options(p.device))
+            p, w, part, out, out if count is None else count, copy, copy.stride(0), M, N, R, w.stride(0),
+            w.stride(1), scale, out.stride(0), out.stride(1), *joined_args(joined, R, out), STEPS=per,
+            SPLIT=split, LAST=count is not None, BM=t.bm, BN=t.bn, RP=_rank_tile(R), P_BF16=p.dtype == torch.bfloat16,
+            TC=t.tc, COPY=joined is not None, SCALED=scale != 1.0, PARTS=parts is not None,
+            JOINED=joined is not None, num_warps=t.warps, num_stages=t.stages, **launch_options(p.device))
         if split > 1 and count is None:
             sum_splits(part, out=None if parts is not None else out, parts=parts, joined=joined)
     return out
@@ -507,23 +459,20 @@ class _AdaptedProjections(torch.autograd.Function):
     x needs a gradient, and its input gradient is added to the chain's; the graph's root keeps no
     data (a projection's backward reads its inputs only).
 
-    The A_i are stacked: one project reads x once for all of them (or u comes made, as its BF16
-    parts), one reduce over the tokens makes all their gradients from one read of x, and one expand
-    makes the stacked du @ A. With `down` (A_down, its u's planes), the two outputs (gate, up) go
-    through the fused SwiGLU inside the node, whose output y it returns, down's u made in that pass,
-    and the SwiGLU's backward is made with the group's du (`adapted_mlp`)."""
+    The A_i are stacked: one project reads x once for all of them, one reduce over the tokens
+    makes all their gradients from one read of x, and one expand makes the stacked du @ A."""
 
     @staticmethod
-    def forward(ctx, x2d, bases, track, scales, u, down, *factors):
+    def forward(ctx, x2d, bases, track, scales, *factors):
         a_s, b_s = factors[:len(bases)], factors[len(bases):]
         dtype = _operand_dtype(x2d)
         xo = x2d.to(dtype)
         a = _stack(a_s, 0)                                        # (sum r_i, in)
         ctx.ranks = [t.shape[0] for t in a_s]
-        joined = _joined(bases, x2d, dtype, ctx.ranks) if u is None else None
+        joined = _joined(bases, x2d, dtype, ctx.ranks)
         ctx.below = _joined_grad(bases, x2d, dtype, ctx.ranks) if track else 0
-        if u is None:                                             # (M, sum r_i) as its BF16 parts
-            u = project(x2d, a, parts=_planes(x2d.shape[0], a.shape[0], x2d.device), joined=joined)
+        # (M, sum r_i) as its BF16 parts
+        u = project(x2d, a, parts=_planes(x2d.shape[0], a.shape[0], x2d.device), joined=joined)
         outs, kept, ctx.graphs = [], [], []
         for i, (base, cols, b, s) in enumerate(zip(bases, _columns(ctx.ranks), b_s, scales)):
             u_i = u[:, :, cols]
@@ -549,15 +498,9 @@ class _AdaptedProjections(torch.autograd.Function):
                 if track:
                     y.untyped_storage().resize_(0)
             del w                                                 # before the next decode
-        gate_up = []
-        if down is not None:          # y = silu(gate) * up, and down's u = y @ A_down^T in its pass
-            gate_up, y = outs, torch.empty(outs[0].shape, device=x2d.device,
-                                           dtype=torch.promote_types(outs[0].dtype, outs[1].dtype))
-            project(outs[0], down[0], parts=down[1], gated=(outs[1], y))
-            outs = [y]
-        ctx.save_for_backward(x2d, a, u, *gate_up, *b_s, *(w for w in kept if w is not None))
+        ctx.save_for_backward(x2d, a, u, *b_s, *(w for w in kept if w is not None))
         ctx.kept = [w is not None for w in kept]
-        ctx.bases, ctx.dtype, ctx.scales, ctx.gated = bases, dtype, scales, down is not None
+        ctx.bases, ctx.dtype, ctx.scales = bases, dtype, scales
         if not track:
             ctx.graphs = [None] * len(bases)
         return tuple(outs)
@@ -565,23 +508,16 @@ class _AdaptedProjections(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, *gs):
-        n, needs = len(ctx.bases), ctx.needs_input_grad
+        n, needs = len(gs), ctx.needs_input_grad
         x2d, a, u, *rest = ctx.saved_tensors
-        gate_up, rest = rest[:2 * ctx.gated], rest[2 * ctx.gated:]
         b_s, kept = rest[:n], iter(rest[n:])
+        gs = [g.contiguous() for g in gs]
         du = _planes(x2d.shape[0], a.shape[0], x2d.device)       # (M, sum r_i): g_i @ s_i B_i, as BF16 parts
-        wide = None
-        if ctx.gated:                 # the SwiGLU's gradients for gate and up, and du from them, in one pass
-            dy, gs = gs[0].contiguous(), [torch.empty_like(t) for t in gate_up]
-            wg, wu = (b.contiguous().t() for b in b_s)          # one layout: project reads both by one's strides
-            project(gate_up[0], wg, parts=du, scale=ctx.scales[0], paired=(gate_up[1], dy, wu, *gs))
-        else:
-            gs = [g.contiguous() for g in gs]
-            # the input gradient joined (`_joined_grad`): project also writes g' = [g | du's parts]
-            wide = None if not (ctx.below and needs[0]) else \
-                torch.empty(x2d.shape[0], gs[0].shape[1] + ctx.below, device=x2d.device, dtype=ctx.dtype)
-            for g, b, cols, s in zip(gs, b_s, _columns(ctx.ranks), ctx.scales):
-                project(g, b.t(), parts=du[:, :, cols], scale=s, joined=None if wide is None else (wide, 0))
+        # the input gradient joined (`_joined_grad`): project also writes g' = [g | du's parts]
+        wide = None if not (ctx.below and needs[0]) else \
+            torch.empty(x2d.shape[0], gs[0].shape[1] + ctx.below, device=x2d.device, dtype=ctx.dtype)
+        for g, b, cols, s in zip(gs, b_s, _columns(ctx.ranks), ctx.scales):
+            project(g, b.t(), parts=du[:, :, cols], scale=s, joined=None if wide is None else (wide, 0))
         dx = None
         if wide is not None:
             dx = _joined_input_grad(ctx.bases[0], next(kept) if ctx.kept[0] else None, wide, a, ctx.dtype, ctx.below)
@@ -602,12 +538,12 @@ class _AdaptedProjections(torch.autograd.Function):
                 dx = expand(du, a.t(), dx, x2d.dtype)
         ctx.graphs = None
         da = [None] * n
-        if any(needs[6:6 + n]):                                   # (r_i, in) = du_i^T x, rows of one tensor
+        if any(needs[4:4 + n]):                                   # (r_i, in) = du_i^T x, rows of one tensor
             da = [d if need else None
-                  for d, need in zip(reduce_tokens(x2d, du, transposed=True).split(ctx.ranks), needs[6:6 + n])]
+                  for d, need in zip(reduce_tokens(x2d, du, transposed=True).split(ctx.ranks), needs[4:4 + n])]
         db = [reduce_tokens(g, u[:, :, cols], scale=s) if need else None      # (out_i, r_i) = s_i g_i^T u_i
-              for g, cols, s, need in zip(gs, _columns(ctx.ranks), ctx.scales, needs[6 + n:])]
-        return dx, None, None, None, None, None, *da, *db
+              for g, cols, s, need in zip(gs, _columns(ctx.ranks), ctx.scales, needs[4 + n:])]
+        return dx, None, None, None, *da, *db
 
 
 def adapted_projections(bases, x: torch.Tensor, a_s, b_s, scales=None) -> tuple[torch.Tensor, ...]:
@@ -618,35 +554,11 @@ def adapted_projections(bases, x: torch.Tensor, a_s, b_s, scales=None) -> tuple[
     lead = x.shape[:-1]
     x2d = x.reshape(-1, x.shape[-1]).contiguous()
     scales = tuple(float(s) for s in scales) if scales is not None else (1.0,) * len(bases)
-    outs = _AdaptedProjections.apply(x2d, tuple(bases), torch.is_grad_enabled() and x.requires_grad, scales, None,
-                                     None, *a_s, *b_s)
+    outs = _AdaptedProjections.apply(x2d, tuple(bases), torch.is_grad_enabled() and x.requires_grad, scales,
+                                     *a_s, *b_s)
     return tuple(out.reshape(*lead, out.shape[-1]) for out in outs)
 
 
 def adapted_projection(base, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
     """adapted_projections for one base."""
     return adapted_projections((base,), x, (a,), (b,), (scale,))[0]
-
-
-# The activations' dtypes adapted_mlp takes: FP32 and FP16 operands are split into BF16 parts twice
-# a step there, more than a thread's registers hold (its paired project spills at any tile).
-MLP_DTYPES = (torch.bfloat16,)
-
-
-def adapted_mlp(x: torch.Tensor, bases, a_s, b_s, scale: float, down, a: torch.Tensor, b: torch.Tensor,
-                down_scale: float) -> torch.Tensor:
-    """down(layer.swiglu(gate, up)) + its adapter's delta for gate, up = adapted_projections(bases,
-    x, a_s, b_s, (scale, scale)) (adapters of one rank), the same bits, in fewer passes: down's
-    input y = silu(gate) * up and its u = y @ a^T are made in one pass over gate and up (project's
-    `gated`: y is not read back for u), and in backward the SwiGLU's gradients for gate and up and
-    the group's du in one pass over gate, up and dy (project's `paired`: they are not read back for
-    du). The group's node holds the SwiGLU: its output is y."""
-    assert a_s[0].shape[0] == a_s[1].shape[0]
-    lead, M = x.shape[:-1], x.numel() // x.shape[-1]
-    x2d = x.reshape(M, x.shape[-1]).contiguous()
-    u = _planes(M, a.shape[0], x.device)
-    (y,) = _AdaptedProjections.apply(x2d, tuple(bases), torch.is_grad_enabled() and x.requires_grad,
-                                     (float(scale),) * 2, None, (a, u), *a_s, *b_s)
-    (out,) = _AdaptedProjections.apply(y, (down,), torch.is_grad_enabled() and y.requires_grad, (float(down_scale),),
-                                       u, None, a, b)
-    return out.reshape(*lead, out.shape[-1])

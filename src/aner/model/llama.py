@@ -203,16 +203,6 @@ def shared_input(x, modules):
     return tuple(m(x) for m in modules)
 
 
-def gated_mlp(x, modules, swiglu, down):
-    """down(swiglu(gate, up)) for (gate, up) = shared_input(x, modules). A module type with
-    `gated(x, modules, swiglu, down)` (the fused adapters) takes it when all three modules are of
-    that type, and may make it in fewer passes over the SwiGLU's operands."""
-    kind = type(down)
-    if hasattr(kind, "gated") and all(type(m) is kind for m in modules):
-        return kind.gated(x, modules, swiglu, down)
-    return down(swiglu(*shared_input(x, modules)))
-
-
 class Block(nn.Module):
     GROUPS = ("attn_q", "attn_k", "attn_v"), ("ffn_gate", "ffn_up")   # projections that read one input
 
@@ -235,7 +225,7 @@ class Block(nn.Module):
         return self.attn_output(y)
 
     def mlp(self, x):
-        return gated_mlp(x, self.groups()[1], self.swiglu, self.ffn_down)
+        return self.ffn_down(self.swiglu(*shared_input(x, self.groups()[1])))
 
     def groups(self) -> list[tuple]:
         return [tuple(getattr(self, name) for name in names) for names in self.GROUPS]
