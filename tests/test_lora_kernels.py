@@ -107,6 +107,56 @@ def check_group(x, a_s, b_s, g_s, ws, outs, dtype, check_out):
     close(x.grad, dxd + ddx, dx_scale + ddx_scale, dtype, EPS[dtype] * ((n + 1) * ddx.abs() + n * dx_scale))
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_stacked_bases_make_one_product(dtype):
+    """Bases of one x whose operands can lie one under another in one matrix (NF4 decodes kept,
+    decoded into one buffer; dense casts, as `train.loop.kept_casts` lays a group's out or made and
+    concatenated): the outputs are one product's columns, side by side, and with their gradients
+    side by side the input gradient is one product over all the rows (with them apart, a chain).
+    Every output and gradient as each adapter's own, to FP32 accuracy; the NF4 bases' bits those of
+    dense casts of their decodes. Not for one base, decodes made again in backward, or dense
+    weights multiplied as they are (FP32)."""
+    from aner.kernels.nf4 import DevicePacked
+    from aner.model.llama import side_by_side
+    from aner.quant.module import NF4Module
+    from aner.quant.nf4 import NF4Weight
+    M, n_in = (300, 192) if not INTERPRET else (37, 64)
+    shapes = [(96, 16), (32, 16), (40, 8)]                       # (out, rank): q, k and v's kind
+    rows = [n for n, _ in shapes]
+    weights = [NF4Weight.quantize(torch.randn(n, n_in) * 0.05) for n in rows]
+    nf4 = [NF4Module(w, device_copy=DevicePacked.from_weight(w, DEV), decoded=True, kept=True) for w in weights]
+    decodes = torch.cat([base.operand(dtype) for base in nf4])
+    dense = [Dense(part.float()) for part in decodes.split(rows)]
+    x0 = torch.randn(M, n_in, device=DEV).to(dtype)
+    assert L._stacked(nf4[:1], x0, dtype) is None
+    assert L._stacked([NF4Module(w, device_copy=base.device_copy, decoded=True) for w, base in zip(weights, nf4)],
+                      x0, dtype) is None
+    if dtype == torch.float32:
+        assert L._stacked(dense, x0, dtype) is None
+    else:
+        assert torch.equal(L._stacked(dense, x0, dtype), decodes)              # casts made and concatenated
+        for m, part in zip(dense, decodes.clone().split(rows)):
+            m.cast = part                                         # laid one under another
+        assert L._stacked(dense[1:], x0, dtype).data_ptr() == dense[1].cast.data_ptr()
+    a0 = [torch.randn(r, n_in, device=DEV) / n_in ** 0.5 for _, r in shapes]
+    b0 = [torch.randn(n, r, device=DEV) * 0.1 for n, r in shapes]
+    side = list(torch.randn(M, sum(rows), device=DEV).to(dtype).split(rows, 1))   # as the fused RoPE hands them back
+
+    def run(bases, g_s):
+        x, *leaves = (t.clone().requires_grad_(True) for t in (x0, *a0, *b0))
+        outs = L.adapted_projections(bases, x, leaves[:3], leaves[3:])
+        assert side_by_side(outs, 1) is not None
+        torch.autograd.backward(outs, g_s)
+        return [o.detach() for o in outs] + [t.grad for t in (x, *leaves)], (x, leaves, outs, g_s)
+    runs = [run(nf4, side), run(nf4, [g.contiguous() for g in side])]
+    if dtype != torch.float32:
+        assert all(torch.equal(p, q) for p, q in zip(runs[0][0], run(dense, side)[0]))
+    ws = [base.operand(dtype).double() for base in nf4]
+    for _, (x, leaves, outs, g_s) in runs:
+        check_group(x, leaves[:3], leaves[3:], g_s, ws, outs, dtype,
+                    lambda out, ref, delta, scale, _: close(out, ref, scale, dtype, EPS[dtype] * delta.abs()))
+
+
 def test_deterministic_with_a_frozen_factor():
     """Two runs give the same bits, forward and gradients, with A frozen as in LoRA-FA; an input
     that needs no gradient (the first layer's) changes nothing else."""

@@ -25,7 +25,9 @@ joins the input gradient's GEMM (`_joined_grad`): g and du's parts side by side,
 decoded weight. Any other base's output is read by expand, which adds the delta to it in FP32
 and rounds once. Projections that read one input (q, k, v; gate, up) go together
 (`adapted_projections`): their A's stacked, x is read once by project and once by reduce_tokens,
-and one expand writes du @ A for the input gradient.
+and one expand writes du @ A for the input gradient; where their bases' weights lie one under
+another (`_stacked`: decodes kept for backward, dense casts), one GEMM makes all their outputs,
+side by side, and one their input gradient.
 
 Each reads its (M, N) operand once in its own dtype (FP32, FP16 or BF16) and computes its
 products to FP32 accuracy, as the adapter policy requires: on the tensor cores through exact BF16
@@ -47,6 +49,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..model.llama import Dense, side_by_side
 from . import TARGET_PROGRAMS, joins_deltas
 from .fp32 import bf16_parts, fp32_dot, parts_dot, scaled, six_dot
 from .launch import after_prior, launch_options
@@ -68,15 +71,16 @@ class Tiles:
 
 
 @triton.jit
-def _project_kernel(p, w, part, out, count, copy, copy_rows, M, N, R, stride_wr, stride_wn, scale, out_plane,
+def _project_kernel(p, w, part, out, count, copy, copy_rows, M, N, R, p_rows, stride_wr, stride_wn, scale, out_plane,
                     out_rows, joined, joined_rows, left, right, STEPS: tl.constexpr, SPLIT: tl.constexpr,
                     LAST: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, RP: tl.constexpr,
                     P_BF16: tl.constexpr, TC: tl.constexpr, COPY: tl.constexpr, SCALED: tl.constexpr,
                     PARTS: tl.constexpr, JOINED: tl.constexpr):
-    """out (M, R) = p (M, N) @ w^T, for w (R, N) given by its strides (times `scale` when SCALED:
-    `fp32.scaled`), in SPLIT parts of N's columns: program (i, s) multiplies columns [s, s + 1) *
-    STEPS * BN into part[s] (FP32), and with LAST the last of a row tile's programs to finish
-    (`splits.last_part`) writes their ordered sum; in one part, the program writes its product.
+    """out (M, R) = p (M, N) @ w^T, for p's rows p_rows apart and w (R, N) given by its strides
+    (times `scale` when SCALED: `fp32.scaled`), in SPLIT parts of N's columns: program (i, s)
+    multiplies columns [s, s + 1) * STEPS * BN into part[s] (FP32), and with LAST the last of a row
+    tile's programs to finish (`splits.last_part`) writes their ordered sum; in one part, the
+    program writes its product.
     out is FP32, or with PARTS the result's BF16 parts (planes out_plane apart), also written into
     `joined` when JOINED (`splits.store_parts`). COPY: p also written to `copy`'s rows, copy_rows
     apart."""
@@ -85,12 +89,12 @@ def _project_kernel(p, w, part, out, count, copy, copy_rows, M, N, R, stride_wr,
     pid_s = tl.program_id(1)
     offs_r = tl.arange(0, RP)
     m_mask = offs_m < M
-    p_rows = p + offs_m.to(tl.int64)[:, None] * N
+    p_at = p + offs_m.to(tl.int64)[:, None] * p_rows
     acc = tl.zeros((BM, RP), dtype=tl.float32)
     for i in range(0, STEPS):                       # a constexpr trip count: one compile per width
         offs_n = (pid_s * STEPS + i) * BN + tl.arange(0, BN)
         n_mask = offs_n < N
-        pt = tl.load(p_rows + offs_n[None, :], mask=m_mask[:, None] & n_mask[None, :], other=0.0)
+        pt = tl.load(p_at + offs_n[None, :], mask=m_mask[:, None] & n_mask[None, :], other=0.0)
         if COPY:
             tl.store(copy + offs_m.to(tl.int64)[:, None] * copy_rows + offs_n[None, :], pt,
                      mask=m_mask[:, None] & n_mask[None, :])
@@ -124,12 +128,12 @@ def _project_result(acc, rows, cols, mask, out, out_plane, out_rows, joined, joi
 
 
 @triton.jit
-def _expand_kernel(q, w, base, out, M, N, R, q_plane, q_rows, stride_wn, stride_wr, scale, STEPS: tl.constexpr,
-                   HAS_BASE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, RP: tl.constexpr,
+def _expand_kernel(q, w, base, out, M, N, R, q_plane, q_rows, stride_wn, stride_wr, out_rows, scale,
+                   STEPS: tl.constexpr, HAS_BASE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, RP: tl.constexpr,
                    TC: tl.constexpr, SCALED: tl.constexpr):
-    """out (M, N) = base + q (M, R) @ w^T for q given by its three BF16 parts (planes q_plane
-    apart, rows q_rows apart) and w (N, R) by its strides (times `scale` when SCALED:
-    `fp32.scaled`); FP32, one rounding. Program (j, s) writes column tile j of row tiles
+    """out (M, N) (rows out_rows apart) = base (M, N) + q (M, R) @ w^T for q given by its three
+    BF16 parts (planes q_plane apart, rows q_rows apart) and w (N, R) by its strides (times `scale`
+    when SCALED: `fp32.scaled`); FP32, one rounding. Program (j, s) writes column tile j of row tiles
     [s, s + 1) * STEPS, loading its tile of w once."""
     after_prior()
     offs_n = tl.program_id(0) * BN + tl.arange(0, BN)
@@ -151,11 +155,11 @@ def _expand_kernel(q, w, base, out, M, N, R, q_plane, q_rows, stride_wn, stride_
             acc = six_dot(hi, mid, lo, w_hi, w_mid, w_lo, acc)
         else:
             acc = fp32_dot(_whole(hi, mid, lo), wt, acc, False, False)
-        ofs = offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
+        rows = offs_m.to(tl.int64)[:, None]
         mask = m_mask[:, None] & n_mask[None, :]
         if HAS_BASE:
-            acc += tl.load(base + ofs, mask=mask, other=0.0).to(tl.float32)
-        tl.store(out + ofs, acc.to(out.dtype.element_ty), mask=mask)
+            acc += tl.load(base + rows * N + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
+        tl.store(out + rows * out_rows + offs_n[None, :], acc.to(out.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -173,16 +177,16 @@ def _whole(hi, mid, lo):
 
 
 @triton.jit
-def _reduce_tokens_kernel(p, q, part, out, count, M, N, R, q_plane, q_rows, out_rows, out_cols, scale,
+def _reduce_tokens_kernel(p, q, part, out, count, M, N, R, p_rows, q_plane, q_rows, out_rows, out_cols, scale,
                           STEPS: tl.constexpr, SPLIT: tl.constexpr, LAST: tl.constexpr, BM: tl.constexpr,
                           BN: tl.constexpr, RP: tl.constexpr, P_BF16: tl.constexpr, TC: tl.constexpr,
                           SCALED: tl.constexpr):
-    """out (N, R) = p^T @ q for p (M, N) and q (M, R) given by its three BF16 parts (planes
-    q_plane apart, rows q_rows apart), times `scale` when SCALED (`fp32.scaled`, after the sum), at
-    rows out_rows and columns out_cols apart, in SPLIT parts of the tokens: program (j, s) sums rows
-    [s, s + 1) * STEPS * BM into part[s] (FP32), and with LAST the last of a column tile's programs
-    to finish (`splits.last_part`) writes their ordered sum; in one part, the program writes its
-    own."""
+    """out (N, R) = p^T @ q for p (M, N) (rows p_rows apart) and q (M, R) given by its three BF16
+    parts (planes q_plane apart, rows q_rows apart), times `scale` when SCALED (`fp32.scaled`,
+    after the sum), at rows out_rows and columns out_cols apart, in SPLIT parts of the tokens:
+    program (j, s) sums rows [s, s + 1) * STEPS * BM into part[s] (FP32), and with LAST the last of
+    a column tile's programs to finish (`splits.last_part`) writes their ordered sum; in one part,
+    the program writes its own."""
     after_prior()
     offs_n = tl.program_id(0) * BN + tl.arange(0, BN)
     pid_s = tl.program_id(1)
@@ -193,7 +197,7 @@ def _reduce_tokens_kernel(p, q, part, out, count, M, N, R, q_plane, q_rows, out_
     for i in range(0, STEPS):
         offs_m = (pid_s * STEPS + i) * BM + tl.arange(0, BM)
         m_mask = offs_m < M
-        pt = tl.load(p + offs_m.to(tl.int64)[:, None] * N + offs_n[None, :],
+        pt = tl.load(p + offs_m.to(tl.int64)[:, None] * p_rows + offs_n[None, :],
                      mask=m_mask[:, None] & n_mask[None, :], other=0.0)
         hi, mid, lo = _load_parts(q, offs_m, offs_r, m_mask[:, None] & r_mask[None, :], q_plane, q_rows)
         if TC:
@@ -270,10 +274,12 @@ def _parts(tiles: int, steps: int, split: int) -> tuple[int, int]:
 def project(p: torch.Tensor, w: torch.Tensor, tiles: Tiles | None = None,
             parts: torch.Tensor | None = None, joined: tuple[torch.Tensor, int] | None = None,
             scale: float = 1.0) -> torch.Tensor:
-    """p (M, N) @ (scale * w)^T -> (M, R) FP32, for w (R, N) FP32 (any strides; scale * w rounded
-    as torch rounds it); with `parts` ((3, M, R) BF16, e.g. columns of wider planes), written there
-    as its BF16 parts instead, the operand expand and reduce_tokens take. With `joined` (x', r_0)
-    and parts: p and the parts also written into x' as `_joined` lays them out."""
+    """p (M, N) @ (scale * w)^T -> (M, R) FP32, for p's rows at any stride and w (R, N) FP32 (any
+    strides; scale * w rounded as torch rounds it); with `parts` ((3, M, R) BF16, e.g. columns of
+    wider planes), written there as its BF16 parts instead, the operand expand and reduce_tokens
+    take. With `joined` (x', r_0) and parts: p and the parts also written into x' as `_joined` lays
+    them out."""
+    p = _unit_columns(p)
     M, N = p.shape
     R = w.shape[0]
     assert joined is None or parts is not None
@@ -289,14 +295,19 @@ def project(p: torch.Tensor, w: torch.Tensor, tiles: Tiles | None = None,
     copy = p if joined is None else joined[0][:, 3 * joined[1]:3 * joined[1] + N]
     if M:
         _project_kernel[(triton.cdiv(M, t.bm), split)](
-            p, w, part, out, out if count is None else count, copy, copy.stride(0), M, N, R, w.stride(0),
-            w.stride(1), scale, out.stride(0), out.stride(1), *joined_args(joined, R, out), STEPS=per,
+            p, w, part, out, out if count is None else count, copy, copy.stride(0), M, N, R, p.stride(0),
+            w.stride(0), w.stride(1), scale, out.stride(0), out.stride(1), *joined_args(joined, R, out), STEPS=per,
             SPLIT=split, LAST=count is not None, BM=t.bm, BN=t.bn, RP=_rank_tile(R), P_BF16=p.dtype == torch.bfloat16,
             TC=t.tc, COPY=joined is not None, SCALED=scale != 1.0, PARTS=parts is not None,
             JOINED=joined is not None, num_warps=t.warps, num_stages=t.stages, **launch_options(p.device))
         if split > 1 and count is None:
             sum_splits(part, out=None if parts is not None else out, parts=parts, joined=joined)
     return out
+
+
+def _unit_columns(t: torch.Tensor) -> torch.Tensor:
+    """t when its columns are adjacent (its rows at any stride: the kernels take that), else a copy."""
+    return t if t.stride(-1) == 1 else t.contiguous()
 
 
 def to_parts(q: torch.Tensor) -> torch.Tensor:
@@ -311,20 +322,24 @@ def _check_parts(q: torch.Tensor, M: int) -> int:
 
 
 def expand(q: torch.Tensor, w: torch.Tensor, base: torch.Tensor | None, dtype: torch.dtype,
-           tiles: Tiles | None = None, scale: float = 1.0) -> torch.Tensor:
+           tiles: Tiles | None = None, scale: float = 1.0, out: torch.Tensor | None = None) -> torch.Tensor:
     """(base +) q (M, R) @ (scale * w)^T -> (M, N) in `dtype`, for q given by its BF16 parts
-    (3, M, R) (rows of any stride, e.g. columns of wider planes) and w (N, R) FP32 (any strides;
-    scale * w rounded as torch rounds it)."""
+    (3, M, R) (rows of any stride, e.g. columns of wider planes), w (N, R) FP32 (any strides;
+    scale * w rounded as torch rounds it) and base contiguous; into `out` when given (M, N) in
+    `dtype` with rows at any stride, e.g. columns of a wider matrix."""
     M = q.shape[1]
     R = _check_parts(q, M)
     N = w.shape[0]
     t = tiles or default_tiles("expand", R)
     split, per = _parts(triton.cdiv(N, t.bn), triton.cdiv(M, t.bm), t.split)
-    out = torch.empty(M, N, device=q.device, dtype=dtype)
+    if out is None:
+        out = torch.empty(M, N, device=q.device, dtype=dtype)
+    assert out.shape == (M, N) and out.dtype == dtype and out.stride(1) == 1
+    assert base is None or base.is_contiguous()
     if M:
         _expand_kernel[(triton.cdiv(N, t.bn), split)](
             q, w, q if base is None else base, out, M, N, R, q.stride(0), q.stride(1), w.stride(0), w.stride(1),
-            scale, STEPS=per, HAS_BASE=base is not None, BM=t.bm, BN=t.bn, RP=_rank_tile(R), TC=t.tc,
+            out.stride(0), scale, STEPS=per, HAS_BASE=base is not None, BM=t.bm, BN=t.bn, RP=_rank_tile(R), TC=t.tc,
             SCALED=scale != 1.0, num_warps=t.warps, num_stages=t.stages, **launch_options(q.device))
     return out
 
@@ -332,10 +347,12 @@ def expand(q: torch.Tensor, w: torch.Tensor, base: torch.Tensor | None, dtype: t
 def reduce_tokens(p: torch.Tensor, q: torch.Tensor, tiles: Tiles | None = None, scale: float = 1.0,
                   transposed: bool = False) -> torch.Tensor:
     """scale * (p (M, N)^T @ q (M, R)) -> (N, R) FP32, or its transpose (R, N) when `transposed`
-    (a contiguous tensor either way), for q given by its BF16 parts (3, M, R) (rows of any stride:
-    `project` writes them, `to_parts` makes them), made once and loaded by every program rather
-    than split in each. The token dimension is split in a fixed number of parts summed in order;
-    the scale multiplies that sum (one more rounding: torch's product of the sum and the float)."""
+    (a contiguous tensor either way), for p's rows at any stride and q given by its BF16 parts
+    (3, M, R) (rows of any stride: `project` writes them, `to_parts` makes them), made once and
+    loaded by every program rather than split in each. The token dimension is split in a fixed
+    number of parts summed in order; the scale multiplies that sum (one more rounding: torch's
+    product of the sum and the float)."""
+    p = _unit_columns(p)
     M, N = p.shape
     R = _check_parts(q, M)
     t = tiles or default_tiles("reduce_tokens", R)
@@ -348,8 +365,8 @@ def reduce_tokens(p: torch.Tensor, q: torch.Tensor, tiles: Tiles | None = None, 
     part = out if split == 1 else torch.empty(split, N, R, device=p.device, dtype=torch.float32)
     # every program writes its part's tile: every element is written
     _reduce_tokens_kernel[(triton.cdiv(N, t.bn), split)](
-        p, q, part, nr, out if count is None else count, M, N, R, q.stride(0), q.stride(1), *nr.stride(), scale,
-        STEPS=per, SPLIT=split, LAST=count is not None, BM=t.bm, BN=t.bn, RP=_rank_tile(R),
+        p, q, part, nr, out if count is None else count, M, N, R, p.stride(0), q.stride(0), q.stride(1), *nr.stride(),
+        scale, STEPS=per, SPLIT=split, LAST=count is not None, BM=t.bm, BN=t.bn, RP=_rank_tile(R),
         P_BF16=p.dtype == torch.bfloat16, TC=t.tc, SCALED=scale != 1.0, num_warps=t.warps, num_stages=t.stages,
         **launch_options(p.device))
     if split > 1 and count is None:
@@ -433,6 +450,32 @@ def _joined_input_grad(base, w: torch.Tensor | None, wide: torch.Tensor, a: torc
         return torch.mm(wide, w)
 
 
+def _stacked(bases, x2d: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+    """Several bases' weights of one width in `dtype` laid one under another in one matrix, when
+    each is a GEMM's operand: NF4 decodes kept for backward (`decoded_kept`), decoded here into
+    one buffer, or dense casts, those `train.loop.kept_casts` laid out so taken as they lie (else
+    made and concatenated: the same bits). Their products are then one GEMM, its outputs side by
+    side, and backward's input gradient one GEMM over all the rows, as
+    `model.llama._TrainedProjections` makes a trained group's: the fused RoPE and SwiGLU hand the
+    outputs' gradients back side by side when the outputs were. None otherwise: a decode made again
+    in backward (one decoded matrix at a time), a dense weight multiplied as it is (FP32), one base."""
+    if len(bases) < 2 or len({base.weight.shape[1] for base in bases}) != 1:
+        return None
+    if all(getattr(base, "spare_room", False) and base.keeps_operand for base in bases):
+        rows = [base.weight.shape[0] for base in bases]
+        w = torch.empty(sum(rows), bases[0].weight.shape[1], device=x2d.device, dtype=dtype)
+        for base, part in zip(bases, w.split(rows)):
+            base.operand(dtype, out=part)
+        return w
+    if not all(type(base) is Dense and base.weight.dtype != dtype for base in bases):
+        return None
+    ws = [base.operand(dtype) for base in bases]                  # casts: kept for the run, or made here
+    if any(w is None for w in ws):
+        return None
+    stacked = side_by_side(ws, 0)
+    return torch.cat(ws) if stacked is None else stacked
+
+
 def _operand_dtype(x: torch.Tensor) -> torch.dtype:
     """The dtype a frozen base multiplies x in: the autocast policy's, else x's own."""
     dev = x.device.type
@@ -448,16 +491,18 @@ class _AdaptedProjections(torch.autograd.Function):
     A base whose product is a plain matrix product hands over its weight in the operand dtype
     (`operand(dtype)`: a dense weight's cast, or a whole decoded NF4 weight); its output is
     delta + x @ W^T, one cuBLAS GEMM onto expand's delta or with the delta joined to it along K
-    (`_joined`), and in backward the bases' input gradients are one chain of products into one
-    buffer (dx = du @ A, then dx += g_i @ W_i inside each GEMM; with x in another dtype or another
-    kind of base, du @ A is added last), so no pass adds them, or one GEMM with du @ A joined to it
-    along K (`_joined_grad`: the decode then has rows to spare, and the forward's product reads
-    the rows above them). A weight is kept for backward when the base says so (`keeps_operand`: a
-    cast, as autograd would keep it; a decode under nf4_kernel="decoded_kept", a joined one as its
-    weight's columns, one with rows to spare whole), else made again there (a decode: one decoded
-    matrix exists at a time). Any other base runs on a detached x, its autograd graph recorded when
-    x needs a gradient, and its input gradient is added to the chain's; the graph's root keeps no
-    data (a projection's backward reads its inputs only).
+    (`_joined`), or for weights laid one under another (`_stacked`) one GEMM onto the deltas side
+    by side; in backward the bases' input gradients are one chain of products into one buffer
+    (dx = du @ A, then dx += g_i @ W_i inside each GEMM; with x in another dtype or another kind of
+    base, du @ A is added last), so no pass adds them, one GEMM over the stacked weights' rows
+    when the gradients come back side by side, or one GEMM with du @ A joined to it along K
+    (`_joined_grad`: the decode then has rows to spare, and the forward's product reads the rows
+    above them). A weight is kept for backward when the base says so (`keeps_operand`: a cast, as
+    autograd would keep it; a decode under nf4_kernel="decoded_kept", a joined one as its weight's
+    columns, one with rows to spare whole, stacked ones as their one matrix), else made again
+    there (a decode: one decoded matrix exists at a time). Any other base runs on a detached x, its
+    autograd graph recorded when x needs a gradient, and its input gradient is added to the
+    chain's; the graph's root keeps no data (a projection's backward reads its inputs only).
 
     The A_i are stacked: one project reads x once for all of them, one reduce over the tokens
     makes all their gradients from one read of x, and one expand makes the stacked du @ A."""
@@ -471,35 +516,46 @@ class _AdaptedProjections(torch.autograd.Function):
         ctx.ranks = [t.shape[0] for t in a_s]
         joined = _joined(bases, x2d, dtype, ctx.ranks)
         ctx.below = _joined_grad(bases, x2d, dtype, ctx.ranks) if track else 0
+        stacked = None if joined is not None or ctx.below else _stacked(bases, x2d, dtype)
         # (M, sum r_i) as its BF16 parts
         u = project(x2d, a, parts=_planes(x2d.shape[0], a.shape[0], x2d.device), joined=joined)
         outs, kept, ctx.graphs = [], [], []
-        for i, (base, cols, b, s) in enumerate(zip(bases, _columns(ctx.ranks), b_s, scales)):
-            u_i = u[:, :, cols]
-            if joined is not None:
-                out, w = _joined_product(base, i, *joined, b, s, dtype)
-            else:
-                w = base.operand(dtype, below=ctx.below) if ctx.below else base.operand(dtype)
+        if stacked is not None:                                   # one GEMM onto the deltas side by side
+            out = torch.empty(x2d.shape[0], stacked.shape[0], device=x2d.device, dtype=dtype)
+            outs = list(out.split([b.shape[0] for b in b_s], 1))
+            for o, cols, b, s in zip(outs, _columns(ctx.ranks), b_s, scales):
+                expand(u[:, :, cols], b, None, dtype, scale=s, out=o)
+            with torch.autocast(x2d.device.type, enabled=False):
+                out.addmm_(xo, stacked.t())
+            kept, ctx.graphs = [stacked if track else None], [None] * len(bases)
+        else:
+            for i, (base, cols, b, s) in enumerate(zip(bases, _columns(ctx.ranks), b_s, scales)):
+                u_i = u[:, :, cols]
+                if joined is not None:
+                    out, w = _joined_product(base, i, *joined, b, s, dtype)
+                else:
+                    w = base.operand(dtype, below=ctx.below) if ctx.below else base.operand(dtype)
+                    if w is not None:
+                        out = expand(u_i, b, None, dtype, scale=s)    # the delta; the GEMM adds x @ W^T
+                        with torch.autocast(x2d.device.type, enabled=False):
+                            out.addmm_(xo, w[:b.shape[0]].t())
                 if w is not None:
-                    out = expand(u_i, b, None, dtype, scale=s)    # the delta; the GEMM adds x @ W^T
-                    with torch.autocast(x2d.device.type, enabled=False):
-                        out.addmm_(xo, w[:b.shape[0]].t())
-            if w is not None:
-                outs.append(out)
-                kept.append(w if track and base.keeps_operand else None)
-                ctx.graphs.append(None)
-            else:
-                with torch.enable_grad():
-                    xb = x2d.detach().requires_grad_(track)
-                    y = base(xb)                                  # (M, out_i), a fresh tensor
-                outs.append(expand(u_i, b, y.detach(), y.dtype, scale=s))
-                kept.append(None)
-                ctx.graphs.append((xb, y))
-                if track:
-                    y.untyped_storage().resize_(0)
-            del w                                                 # before the next decode
+                    outs.append(out)
+                    kept.append(w if track and base.keeps_operand else None)
+                    ctx.graphs.append(None)
+                else:
+                    with torch.enable_grad():
+                        xb = x2d.detach().requires_grad_(track)
+                        y = base(xb)                                  # (M, out_i), a fresh tensor
+                    outs.append(expand(u_i, b, y.detach(), y.dtype, scale=s))
+                    kept.append(None)
+                    ctx.graphs.append((xb, y))
+                    if track:
+                        y.untyped_storage().resize_(0)
+                del w                                                 # before the next decode
         ctx.save_for_backward(x2d, a, u, *b_s, *(w for w in kept if w is not None))
         ctx.kept = [w is not None for w in kept]
+        ctx.stacked = stacked is not None
         ctx.bases, ctx.dtype, ctx.scales = bases, dtype, scales
         if not track:
             ctx.graphs = [None] * len(bases)
@@ -511,7 +567,6 @@ class _AdaptedProjections(torch.autograd.Function):
         n, needs = len(gs), ctx.needs_input_grad
         x2d, a, u, *rest = ctx.saved_tensors
         b_s, kept = rest[:n], iter(rest[n:])
-        gs = [g.contiguous() for g in gs]
         du = _planes(x2d.shape[0], a.shape[0], x2d.device)       # (M, sum r_i): g_i @ s_i B_i, as BF16 parts
         # the input gradient joined (`_joined_grad`): project also writes g' = [g | du's parts]
         wide = None if not (ctx.below and needs[0]) else \
@@ -526,14 +581,19 @@ class _AdaptedProjections(torch.autograd.Function):
             first = x2d.dtype == ctx.dtype and all(graph is None for graph in ctx.graphs)
             if first:
                 dx = expand(du, a.t(), None, x2d.dtype)
-            for base, g, has_w, graph in zip(ctx.bases, gs, ctx.kept, ctx.graphs):
-                if graph is not None:
-                    (d,) = torch.autograd.grad(graph[1], graph[0], g)
-                    dx = d if dx is None else dx.add_(d)
-                    continue
-                w = next(kept) if has_w else base.operand(ctx.dtype)
-                dx = g @ w if dx is None else dx.addmm_(g, w)
-                del w
+            if ctx.stacked:                               # one GEMM over all the rows when the gs are side by side
+                w, g_all = next(kept), side_by_side(gs, 1)
+                for g, w_i in [(g_all, w)] if g_all is not None else zip(gs, w.split([g.shape[1] for g in gs])):
+                    dx = g @ w_i if dx is None else dx.addmm_(g, w_i)
+            else:
+                for base, g, has_w, graph in zip(ctx.bases, gs, ctx.kept, ctx.graphs):
+                    if graph is not None:
+                        (d,) = torch.autograd.grad(graph[1], graph[0], g)
+                        dx = d if dx is None else dx.add_(d)
+                        continue
+                    w = next(kept) if has_w else base.operand(ctx.dtype)
+                    dx = g @ w if dx is None else dx.addmm_(g, w)
+                    del w
             if not first:
                 dx = expand(du, a.t(), dx, x2d.dtype)
         ctx.graphs = None

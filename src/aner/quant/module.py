@@ -53,14 +53,16 @@ class NF4Module(nn.Module):
         with torch.autocast(x.device.type, enabled=False):
             return fused_nf4_linear(x, self.device_copy, self.decoded, self.keeps_operand)  # (..., out), x's dtype
 
-    def operand(self, dtype: torch.dtype, left: int = 0, right: int = 0, below: int = 0) -> torch.Tensor | None:
+    def operand(self, dtype: torch.dtype, left: int = 0, right: int = 0, below: int = 0,
+                out: torch.Tensor | None = None) -> torch.Tensor | None:
         """The whole decoded weight in `dtype` as a product's operand, for the decoded kernel
         (with `left` and `right` columns to spare on each side and `below` rows under it,
-        unwritten); None for the others (their products decode inside)."""
+        unwritten; into `out` when given, as `nf4_decode` takes it); None for the others (their
+        products decode inside)."""
         if self.device_copy is None or not self.decoded:
             return None
         from ..kernels.nf4 import nf4_decode
-        return nf4_decode(self.device_copy, dtype, left, right, below)
+        return nf4_decode(self.device_copy, dtype, left, right, below, out)
 
     def lookup(self, tokens: torch.Tensor) -> torch.Tensor:
         if self.device_copy is None:

@@ -143,15 +143,15 @@ def kept_casts(model, trainable: dict, profile: Profile):
     run (`Dense.cast`), so a forward reads it instead of reading the weight to cast it: a trained
     matrix's the optimizer rewrites as it writes the weight (the same rounding of the same FP32
     value; yielded, name -> tensor); a frozen one's (an adapter's base, a frozen head) stays valid
-    for the run. A layer's group of projections that read one input (`Block.GROUPS`) has its
-    casts laid one under another in one buffer, so that their products can be one GEMM. The
-    admission already counts these casts: backward keeps them all at its start. They are dropped
-    when the run ends, however it ends."""
+    for the run. A layer's group of projections that read one input (`Block.GROUPS`; for adapted
+    ones, their frozen bases) has its casts laid one under another in one buffer, so that their
+    products can be one GEMM. The admission already counts these casts: backward keeps them all at
+    its start. They are dropped when the run ends, however it ends."""
     table = None if model.head() is model.tok_embd else model.tok_embd    # looked up in FP32, never cast
     cast = [m for m in model.modules() if type(m) is Dense and m is not table and m.weight.dim() == 2] \
         if profile.precision != "float32" else []
-    groups = [group for layer in model.layers for group in layer.groups()
-              if all(m in cast for m in group) and len({m.weight.shape[1] for m in group}) == 1]
+    groups = [[getattr(m, "base", m) for m in group] for layer in model.layers for group in layer.groups()]
+    groups = [g for g in groups if all(m in cast for m in g) and len({m.weight.shape[1] for m in g}) == 1]
     grouped = {id(m) for group in groups for m in group}
     trained = {id(w): n for n, w in trainable.items()}
     try:
