@@ -27,8 +27,7 @@
 #               the input gradient: dense, nf4_rs through the transposed copy, and it without the decode
 #               -> nf4-profile.ncu-rep, -details.txt, -raw.csv, -sass.csv (the sampled stalls of each SASS line)
 #   lora        benchmarks/lora_kernels.py (fused adapter kernels)   -> <date>-h200-lora-kernels.json
-#               (LORA=--sweep: the tile grid at every shape of a Llama-3.2-1B and Llama-3.1-8B update;
-#               LORA=--sums: there, the parts summed by each tile's last program against a second launch)
+#               (LORA=--sweep: the tile grid at every shape of a Llama-3.2-1B and Llama-3.1-8B update)
 #   adamw       benchmarks/adamw.py (ours against torch.optim.AdamW) -> <date>-h200-adamw.json
 #   norms       benchmarks/norm_kernels.py (RMSNorm backward, sum_splits) -> <date>-h200-norm-kernels.json
 #   attention   benchmarks/attention.py (fused causal attention against PyTorch's) -> <date>-h200-attention.json

@@ -1,6 +1,6 @@
 """Fused low-rank adapter kernels against the same FP32 products written with torch ops, on a GPU.
 
-    PYTHONPATH=src python3 benchmarks/lora_kernels.py OUT.json [--sweep [OP ...] | --sums]
+    PYTHONPATH=src python3 benchmarks/lora_kernels.py OUT.json [--sweep [OP ...]]
 
 One adapter's forward and backward at the training shapes (8192 tokens, rank 16, BF16
 activations; Llama-3.2-1B's 2048 and 8192 widths): each op and tile variant is first checked on
@@ -18,11 +18,6 @@ times the adapter's scale (in one part by themselves, in more by the ordered sum
 expand around a GEMM base, writing the delta alone, which the base's GEMM then adds its product
 to. Prints, per model and op, the per-update time of the default tiles, of the best single variant
 and of the best per shape.
-
---sums: project and reduce_tokens at every such shape with the default tiles, timed as the sweep
-times them, their parts summed by the last program of each tile against a second launch
-(`splits.sum_splits`), whatever the number of parts: the same bits checked, the time of each and,
-per model, an update's with each and with the default's choice (`splits.LAST_PARTS`).
 """
 import datetime
 import itertools
@@ -34,7 +29,6 @@ import torch
 import triton.testing
 
 from aner.kernels import lora as L
-from aner.kernels import splits
 
 M, R = 8192, 16
 BANDWIDTH = 4.8e12
@@ -184,50 +178,7 @@ def sweep(out, ops):
                   f"best one {whole[v_best]:6.2f} ms ({v_best}), best per shape {shape_best:6.2f} ms", flush=True)
 
 
-def sums(out):
-    rows, rule = [], splits.LAST_PARTS
-    shapes = list(dict.fromkeys(k for widths in WIDTHS.values() for k in sorted(update_calls(*widths))
-                                if k[0] != "expand"))
-    for op, N, R in shapes:
-        fn, _, _ = operands(op, N, R)
-        copies = -(-2 ** 27 // (M * N * 2))
-        t = L.default_tiles(op, R)
-        tiles, steps = (-(-M // t.bm), -(-N // t.bn)) if op == "project" else (-(-N // t.bn), -(-M // t.bm))
-        parts = L._parts(tiles, steps, t.split)[0]
-        by_last = splits.tile_counts(torch.device("cuda", 0), tiles, parts) is not None    # the default's choice
-        row, bits = {"op": op, "N": N, "R": R, "variant": str(t), "parts": parts,
-                     "default": "last_program" if by_last else "second_launch"}, []
-        # every sum by its tile's last program, then every sum by a second launch (no counts)
-        for name, setting, value in (("last_program", "LAST_PARTS", 1 << 10), ("second_launch", "COUNTS", 0)):
-            kept = getattr(splits, setting)
-            setattr(splits, setting, value)
-            bits.append(fn(t).clone())
-            row[f"{name}_ms"] = bench_graphed(lambda i: fn(t, i), copies)
-            setattr(splits, setting, kept)
-        row["same_bits"] = torch.equal(*bits)
-        rows.append(row)
-        print(f"{op:14} N={N:<6} R={R:<3} {parts:3} parts: last program {row['last_program_ms'] * 1e3:6.1f} us, "
-              f"second launch {row['second_launch_ms'] * 1e3:6.1f} us (default: {row['default']}), "
-              f"same bits {row['same_bits']}", flush=True)
-    for model, widths in WIDTHS.items():
-        calls = update_calls(*widths)
-        layers = {"llama-3.2-1b": 16, "llama-3.1-8b": 32}[model]
-
-        def total(key):
-            return sum(r[key(r)] * calls.get((r["op"], r["N"], r["R"]), 0) * layers for r in rows)
-        last, second = total(lambda r: "last_program_ms"), total(lambda r: "second_launch_ms")
-        print(f"{model:13} project and reduce_tokens an update: every sum by a last program {last:6.2f} ms, "
-              f"by a second launch {second:6.2f}, the default (at most {rule} parts by a last program) "
-              f"{total(lambda r: r['default'] + '_ms'):6.2f}", flush=True)
-    with open(out, "w") as f:
-        json.dump({"schema": "aner.lora_sums/1", "date": datetime.date.today().isoformat(),
-                   "device": torch.cuda.get_device_name(0), "torch": torch.__version__, "last_parts": rule,
-                   "rows": rows}, f, indent=1)
-
-
 def main():
-    if "--sums" in sys.argv:
-        return sums(sys.argv[1])
     if "--sweep" in sys.argv:
         return sweep(sys.argv[1], sys.argv[sys.argv.index("--sweep") + 1:] or ["project", "expand", "reduce_tokens"])
     out = sys.argv[1]

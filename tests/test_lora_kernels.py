@@ -15,7 +15,6 @@ from kernel_device import INTERPRET, device_or_skip
 DEV = device_or_skip()
 
 from aner.kernels import lora as L  # noqa: E402
-from aner.kernels import splits  # noqa: E402
 from aner.kernels.splits import sum_splits  # noqa: E402
 from aner.model.llama import Dense  # noqa: E402
 
@@ -268,34 +267,6 @@ def test_scaled_gradients_written_by_reduce_tokens(split):
     dbt = L.reduce_tokens(g, parts, tiles, scale=2 / 3, transposed=True)
     assert dbt.is_contiguous() and torch.equal(dbt, scaled.t())
     assert torch.equal(L.reduce_tokens(g[:0], parts[:, :0], tiles, scale=2 / 3), torch.zeros(n, r, device=DEV))
-
-
-def test_last_program_sums_the_parts(monkeypatch):
-    """Split in parts, project and reduce_tokens end with the ordered sum made by each tile's last
-    program to finish: the bits of the parts summed by a second launch (`sum_splits`, what runs
-    where there are many parts or more tiles than counts), FP32 and BF16 parts, joined and scaled,
-    at 3 to 63 parts; the counts all 0 again after every launch."""
-    M, K, ranks = (1000, 576, (8, 16)) if not INTERPRET else (70, 100, (3, 5))
-    r, tc = sum(ranks), not INTERPRET
-    p = torch.randn(M, K, device=DEV).bfloat16()
-    w = torch.randn(r, K, device=DEV) / K ** 0.5
-    g = torch.randn(M, 96, device=DEV)
-    tiles = [L.Tiles(16, 32, split=3, tc=tc), L.Tiles(32, 16, split=5, tc=tc), L.Tiles(16, 32, split=0, tc=tc)]
-    runs = []
-    for name, value in (("LAST_PARTS", 1 << 10), ("COUNTS", 0)):     # every sum by a last program; none
-        monkeypatch.setattr(splits, name, value)
-        assert (splits.tile_counts(p.device, 1, 63) is not None) == bool(value)
-        run = []
-        for t in tiles:
-            planes = torch.zeros(3, M, r + 2, device=DEV, dtype=torch.bfloat16)
-            wide = torch.zeros(M, 3 * r + K, device=DEV, dtype=torch.bfloat16)
-            run += [L.project(p, w, t), L.project(p, w, t, parts=planes[:, :, 1:1 + r], joined=(wide, ranks[0])),
-                    planes, wide, L.reduce_tokens(g, planes[:, :, 1:1 + r], t, scale=2 / 3),
-                    L.reduce_tokens(p, planes[:, :, 1:1 + r], t, transposed=True)]
-        if value:
-            assert not splits._COUNTS[p.device].any()
-        runs.append(run)
-    assert all(torch.equal(a, b) for a, b in zip(*runs))
 
 
 def test_deltas_joined_to_decoded_products():

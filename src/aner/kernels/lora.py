@@ -36,11 +36,9 @@ the FP32 multiply-add rate), or with FP32 multiply-adds (`Tiles(tc=False)`). No 
 are carried as their exact BF16 parts (hi, mid, lo: three (M, r) planes), which project writes;
 expand and reduce_tokens load them where they would otherwise split the same (M, r) tile again in
 every one of their programs (the same bits). `expand` rounds its output once. Reductions over a
-long dimension are split into a fixed number of parts, summed in order by the last of a tile's
-programs to finish (`splits.last_part`: no second launch) where they are few, by a second launch
-where they are many (`splits.tile_counts`), the same bits either way. Tiles and splits are fixed
-functions of the shapes: the same inputs give the same bits on every run. The pure-torch reference
-is the unfused path in `aner.adapters`.
+long dimension are split into a fixed number of parts that a second launch sums in order
+(`splits.sum_splits`). Tiles and splits are fixed functions of the shapes: the same inputs give
+the same bits on every run. The pure-torch reference is the unfused path in `aner.adapters`.
 """
 import itertools
 from dataclasses import dataclass
@@ -53,7 +51,7 @@ from ..model.llama import Dense, side_by_side
 from . import TARGET_PROGRAMS, joins_deltas
 from .fp32 import bf16_parts, fp32_dot, parts_dot, scaled, six_dot
 from .launch import after_prior, launch_options
-from .splits import joined_args, last_part, ordered_sum, store_parts, sum_splits, tile_counts
+from .splits import joined_args, store_parts, sum_splits
 
 
 @dataclass(frozen=True)
@@ -71,19 +69,15 @@ class Tiles:
 
 
 @triton.jit
-def _project_kernel(p, w, part, out, count, copy, copy_rows, M, N, R, p_rows, stride_wr, stride_wn, scale, out_plane,
-                    out_rows, joined, joined_rows, left, right, STEPS: tl.constexpr, SPLIT: tl.constexpr,
-                    LAST: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, RP: tl.constexpr,
-                    P_BF16: tl.constexpr, TC: tl.constexpr, COPY: tl.constexpr, SCALED: tl.constexpr,
-                    PARTS: tl.constexpr, JOINED: tl.constexpr):
-    """out (M, R) = p (M, N) @ w^T, for p's rows p_rows apart and w (R, N) given by its strides
-    (times `scale` when SCALED: `fp32.scaled`), in SPLIT parts of N's columns: program (i, s)
-    multiplies columns [s, s + 1) * STEPS * BN into part[s] (FP32), and with LAST the last of a row
-    tile's programs to finish (`splits.last_part`) writes their ordered sum; in one part, the
-    program writes its product.
-    out is FP32, or with PARTS the result's BF16 parts (planes out_plane apart), also written into
-    `joined` when JOINED (`splits.store_parts`). COPY: p also written to `copy`'s rows, copy_rows
-    apart."""
+def _project_kernel(p, w, out, copy, copy_rows, M, N, R, p_rows, stride_wr, stride_wn, scale, out_plane, out_rows,
+                    joined, joined_rows, left, right, STEPS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                    RP: tl.constexpr, P_BF16: tl.constexpr, TC: tl.constexpr, COPY: tl.constexpr,
+                    SCALED: tl.constexpr, PARTS: tl.constexpr, JOINED: tl.constexpr):
+    """out[s] (M, R) FP32 = p (M, N) @ w^T over columns [s, s + 1) * STEPS * BN of N, for p's rows
+    p_rows apart and w (R, N) given by its strides (times `scale` when SCALED: `fp32.scaled`);
+    COPY: p also written to `copy`'s rows, copy_rows apart. PARTS (one part, the whole of N):
+    written instead as its BF16 parts (planes out_plane apart), and into `joined` when JOINED, as
+    the ordered sum of parts writes them (`splits.store_parts`)."""
     after_prior()
     offs_m = tl.program_id(0) * BM + tl.arange(0, BM)
     pid_s = tl.program_id(1)
@@ -105,26 +99,10 @@ def _project_kernel(p, w, part, out, count, copy, copy_rows, M, N, R, p_rows, st
         acc = fp32_dot(pt, wt, acc, P_BF16, TC)
     rows, cols = offs_m.to(tl.int64)[:, None], offs_r[None, :]
     mask = m_mask[:, None] & (offs_r < R)[None, :]
-    if SPLIT == 1:
-        _project_result(acc, rows, cols, mask, out, out_plane, out_rows, joined, joined_rows, R, left, right,
-                        PARTS, JOINED)
-    else:
-        at = part + rows * R + cols
-        tl.store(at + pid_s.to(tl.int64) * M * R, acc, mask=mask)
-        if LAST:
-            if last_part(count, tl.program_id(0), SPLIT):
-                _project_result(ordered_sum(at, tl.cast(M, tl.int64) * R, mask, SPLIT), rows, cols, mask, out,
-                                out_plane, out_rows, joined, joined_rows, R, left, right, PARTS, JOINED)
-
-
-@triton.jit
-def _project_result(acc, rows, cols, mask, out, out_plane, out_rows, joined, joined_rows, R, left, right,
-                    PARTS: tl.constexpr, JOINED: tl.constexpr):
-    """project's (rows, cols) of the result, as `sum_splits` writes it: FP32, or its BF16 parts."""
     if PARTS:
         store_parts(acc, rows, cols, mask, out, out_plane, out_rows, joined, joined_rows, R, left, right, JOINED)
     else:
-        tl.store(out + rows * R + cols, acc, mask=mask)
+        tl.store(out + pid_s.to(tl.int64) * M * R + rows * R + cols, acc, mask=mask)
 
 
 @triton.jit
@@ -177,16 +155,14 @@ def _whole(hi, mid, lo):
 
 
 @triton.jit
-def _reduce_tokens_kernel(p, q, part, out, count, M, N, R, p_rows, q_plane, q_rows, out_rows, out_cols, scale,
-                          STEPS: tl.constexpr, SPLIT: tl.constexpr, LAST: tl.constexpr, BM: tl.constexpr,
-                          BN: tl.constexpr, RP: tl.constexpr, P_BF16: tl.constexpr, TC: tl.constexpr,
-                          SCALED: tl.constexpr):
-    """out (N, R) = p^T @ q for p (M, N) (rows p_rows apart) and q (M, R) given by its three BF16
-    parts (planes q_plane apart, rows q_rows apart), times `scale` when SCALED (`fp32.scaled`,
-    after the sum), at rows out_rows and columns out_cols apart, in SPLIT parts of the tokens:
-    program (j, s) sums rows [s, s + 1) * STEPS * BM into part[s] (FP32), and with LAST the last of
-    a column tile's programs to finish (`splits.last_part`) writes their ordered sum; in one part,
-    the program writes its own."""
+def _reduce_tokens_kernel(p, q, part, M, N, R, p_rows, q_plane, q_rows, out_rows, out_cols, scale,
+                          STEPS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, RP: tl.constexpr,
+                          P_BF16: tl.constexpr, TC: tl.constexpr, WHOLE: tl.constexpr, SCALED: tl.constexpr):
+    """part[s] (N, R) FP32 = p[rows of part s]^T @ q[rows of part s] for p (M, N) (rows p_rows
+    apart) and q (M, R) given by its three BF16 parts (planes q_plane apart, rows q_rows apart);
+    part s is rows [s, s + 1) * STEPS * BM. WHOLE (one part, all M rows): written instead as the
+    result, times `scale` when SCALED (`fp32.scaled`), at rows out_rows and columns out_cols
+    apart, as the ordered sum of parts writes it."""
     after_prior()
     offs_n = tl.program_id(0) * BN + tl.arange(0, BN)
     pid_s = tl.program_id(1)
@@ -205,23 +181,12 @@ def _reduce_tokens_kernel(p, q, part, out, count, M, N, R, p_rows, q_plane, q_ro
         else:
             acc = fp32_dot(tl.trans(pt), _whole(hi, mid, lo), acc, P_BF16, False)
     mask = n_mask[:, None] & r_mask[None, :]
-    at = out + offs_n[:, None] * out_rows + offs_r[None, :] * out_cols
-    if SPLIT == 1:
-        _reduce_tokens_result(acc, at, mask, scale, SCALED)
+    if WHOLE:
+        if SCALED:
+            acc = scaled(acc, scale)
+        tl.store(part + offs_n[:, None] * out_rows + offs_r[None, :] * out_cols, acc, mask=mask)
     else:
-        ptr = part + offs_n[:, None] * R + offs_r[None, :]
-        tl.store(ptr + pid_s.to(tl.int64) * N * R, acc, mask=mask)
-        if LAST:
-            if last_part(count, tl.program_id(0), SPLIT):
-                _reduce_tokens_result(ordered_sum(ptr, N * R, mask, SPLIT), at, mask, scale, SCALED)
-
-
-@triton.jit
-def _reduce_tokens_result(acc, at, mask, scale, SCALED: tl.constexpr):
-    """reduce_tokens' tile of the result, as `sum_splits` writes it."""
-    if SCALED:
-        acc = scaled(acc, scale)
-    tl.store(at, acc, mask=mask)
+        tl.store(part + pid_s.to(tl.int64) * N * R + offs_n[:, None] * R + offs_r[None, :], acc, mask=mask)
 
 
 @triton.jit
@@ -285,24 +250,21 @@ def project(p: torch.Tensor, w: torch.Tensor, tiles: Tiles | None = None,
     assert joined is None or parts is not None
     t = tiles or default_tiles("project", R)
     split, per = _parts(triton.cdiv(M, t.bm), triton.cdiv(N, t.bn), t.split)
-    if parts is None:
-        out = torch.empty(M, R, device=p.device, dtype=torch.float32)
-    else:
+    whole = parts is not None and split == 1                   # no sum to make: the kernel writes the parts
+    if whole:
         assert parts.dtype == torch.bfloat16 and parts.shape == (3, M, R) and parts.stride(2) == 1
         out = parts
-    count = tile_counts(p.device, triton.cdiv(M, t.bm), split)
-    part = out if split == 1 else torch.empty(split, M, R, device=p.device, dtype=torch.float32)
+    else:
+        out = torch.empty(split, M, R, device=p.device, dtype=torch.float32)
     copy = p if joined is None else joined[0][:, 3 * joined[1]:3 * joined[1] + N]
     if M:
         _project_kernel[(triton.cdiv(M, t.bm), split)](
-            p, w, part, out, out if count is None else count, copy, copy.stride(0), M, N, R, p.stride(0),
-            w.stride(0), w.stride(1), scale, out.stride(0), out.stride(1), *joined_args(joined, R, out), STEPS=per,
-            SPLIT=split, LAST=count is not None, BM=t.bm, BN=t.bn, RP=_rank_tile(R), P_BF16=p.dtype == torch.bfloat16,
-            TC=t.tc, COPY=joined is not None, SCALED=scale != 1.0, PARTS=parts is not None,
-            JOINED=joined is not None, num_warps=t.warps, num_stages=t.stages, **launch_options(p.device))
-        if split > 1 and count is None:
-            sum_splits(part, out=None if parts is not None else out, parts=parts, joined=joined)
-    return out
+            p, w, out, copy, copy.stride(0), M, N, R, p.stride(0), w.stride(0), w.stride(1), scale, out.stride(0),
+            out.stride(1), *joined_args(joined if whole else None, R, out), STEPS=per, BM=t.bm, BN=t.bn,
+            RP=_rank_tile(R), P_BF16=p.dtype == torch.bfloat16, TC=t.tc, COPY=joined is not None,
+            SCALED=scale != 1.0, PARTS=whole, JOINED=whole and joined is not None, num_warps=t.warps,
+            num_stages=t.stages, **launch_options(p.device))
+    return out if whole else sum_splits(out, parts=parts, joined=joined)
 
 
 def _unit_columns(t: torch.Tensor) -> torch.Tensor:
@@ -361,15 +323,14 @@ def reduce_tokens(p: torch.Tensor, q: torch.Tensor, tiles: Tiles | None = None, 
     nr = out.t() if transposed else out                         # the result as (N, R), at out's strides
     if not M:
         return out.zero_()
-    count = tile_counts(p.device, triton.cdiv(N, t.bn), split)
-    part = out if split == 1 else torch.empty(split, N, R, device=p.device, dtype=torch.float32)
+    whole = split == 1                                          # no sum to make: the kernel writes the result
+    part = out if whole else torch.empty(split, N, R, device=p.device, dtype=torch.float32)
     # every program writes its part's tile: every element is written
     _reduce_tokens_kernel[(triton.cdiv(N, t.bn), split)](
-        p, q, part, nr, out if count is None else count, M, N, R, p.stride(0), q.stride(0), q.stride(1), *nr.stride(),
-        scale, STEPS=per, SPLIT=split, LAST=count is not None, BM=t.bm, BN=t.bn, RP=_rank_tile(R),
-        P_BF16=p.dtype == torch.bfloat16, TC=t.tc, SCALED=scale != 1.0, num_warps=t.warps, num_stages=t.stages,
-        **launch_options(p.device))
-    if split > 1 and count is None:
+        p, q, part, M, N, R, p.stride(0), q.stride(0), q.stride(1), *nr.stride(), scale, STEPS=per, BM=t.bm, BN=t.bn,
+        RP=_rank_tile(R), P_BF16=p.dtype == torch.bfloat16, TC=t.tc, WHOLE=whole, SCALED=scale != 1.0,
+        num_warps=t.warps, num_stages=t.stages, **launch_options(p.device))
+    if not whole:
         sum_splits(part, out=nr, scale=scale)
     return out
 

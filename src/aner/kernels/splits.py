@@ -19,7 +19,13 @@ def _sum_splits_kernel(part, out, numel, cols, out_plane, out_rows, out_cols, sc
     after_prior()
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < numel
-    acc = ordered_sum(part + offs, numel, mask, SPLIT)
+    ptr = part + offs
+    acc = tl.load(ptr, mask=mask, other=0.0)
+    for _ in tl.static_range(1, SPLIT):
+        # Step the pointer by numel per part: `s * numel` would be an int32 product, which wraps
+        # once split * numel reaches 2^31 (an explicit config with a large split).
+        ptr += numel
+        acc += tl.load(ptr, mask=mask, other=0.0)
     if SCALED:
         acc = scaled(acc, scale)
     if PARTS:
@@ -27,58 +33,6 @@ def _sum_splits_kernel(part, out, numel, cols, out_plane, out_rows, out_cols, sc
                     right, JOINED)
     else:
         tl.store(out + (offs // cols) * out_rows + (offs % cols) * out_cols, acc.to(out.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def ordered_sum(ptr, step, mask, SPLIT: tl.constexpr):
-    """ptr[0] + ptr[step] + ... + ptr[(SPLIT - 1) * step] (FP32, in that order; masked elements 0),
-    read from L2: parts another program may have just written (`last_part`)."""
-    acc = tl.load(ptr, mask=mask, other=0.0, cache_modifier=".cg")
-    for _ in tl.static_range(1, SPLIT):
-        # Step the pointer by `step` per part: `s * step` would be an int32 product, which wraps
-        # once split * M * R reaches 2^31 (an explicit config with a large split).
-        ptr += step
-        acc += tl.load(ptr, mask=mask, other=0.0, cache_modifier=".cg")
-    return acc
-
-
-@triton.jit
-def last_part(count, tile, SPLIT: tl.constexpr):
-    """Called by each of a tile's SPLIT programs once it has stored its part: whether it is the
-    last of them to get here. The last then sees every part's stores (the count's increment
-    releases each program's stores and acquires the earlier ones', at the GPU's scope) and sets
-    count[tile] back to 0, as every launch finds it (`tile_counts`)."""
-    tl.debug_barrier()              # all of this program's threads have stored their share first
-    last = tl.atomic_add(count + tile, 1, sem="acq_rel", scope="gpu") == SPLIT - 1
-    if last:
-        tl.store(count + tile, 0)
-    return last
-
-
-_COUNTS: dict = {}
-COUNTS = 1 << 16          # tiles a launch may count (project: tokens / its rows a tile)
-# The most parts a tile's last program sums: it sums them alone, and the compiler keeps about one
-# part's loads in flight a thread while it adds (the SASS of reduce_tokens' sum of 64 parts), so
-# that a tile of many parts waits for L2 once a part; a second launch spreads the sum over
-# hundreds of programs (an estimate from the loads' latency; `lora_kernels.py --sums` measures it).
-LAST_PARTS = 8
-
-
-def tile_counts(device: torch.device, tiles: int, parts: int) -> torch.Tensor | None:
-    """`last_part`'s counts for a launch of `tiles` tiles of `parts` parts each on `device`: int32,
-    all 0 between launches (made once a device; the kernels of a device run in one stream's order,
-    each after the one before it has finished, so no two launches count at once). None for one
-    part, for more than LAST_PARTS parts or more tiles than COUNTS, or where the counts would first
-    be made inside a CUDA graph's capture: the caller then sums its parts in a second launch
-    (`sum_splits`), the same bits."""
-    if not 1 < parts <= LAST_PARTS or tiles > COUNTS:
-        return None
-    counts = _COUNTS.get(device)
-    if counts is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        counts = _COUNTS[device] = torch.zeros(COUNTS, device=device, dtype=torch.int32)
-    return counts
 
 
 @triton.jit
