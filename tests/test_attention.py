@@ -80,6 +80,22 @@ def test_attention_against_float64(impl, shape, dtype):
 
 
 @pytest.mark.parametrize("impl", IMPLS)
+def test_gradients_of_one_tensors_heads_are_one_tensors_heads(impl):
+    """q, k and v as the heads of one (B, T, H + 2 K, E) tensor (as rope hands them over): their
+    gradients are the heads of one tensor of that layout, with the bits of q, k and v apart."""
+    from aner.model.llama import side_by_side
+    B, H, K, T, E = 2, 4, 2, 70, 64
+    dtype = torch.float16
+    q, k, v, do = inputs(B, H, K, T, E, dtype, seed=2)
+    whole = torch.cat([x.transpose(1, 2) for x in (q, k, v)], 2)
+    heads = [x.transpose(1, 2) for x in whole.split([H, K, K], 2)]
+    apart, joint = run(impl, q, k, v, do), run(impl, *heads, do)
+    assert all(torch.equal(a, b) for a, b in zip(apart, joint))
+    assert all(g.stride() == x.stride() for g, x in zip(joint[1:], heads))
+    assert side_by_side([g.transpose(1, 2) for g in joint[1:]], 2) is not None
+
+
+@pytest.mark.parametrize("impl", IMPLS)
 def test_output_layout_and_determinism(impl):
     """The output is (B, H, T, E) over (B, T, H, E) memory (the model's reshape is a view), and five
     runs, and a CUDA graph's replay, give the same bits, gradients included."""

@@ -84,19 +84,24 @@ def test_rope_bit_exact(shape, dtype, same_out, layout):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("heads", [(4, 2), (3, 3), (2, 1)], ids=lambda h: f"H{h[0]}K{h[1]}")
-def test_rope_of_one_projection_lays_its_gradients_side_by_side(heads, dtype):
-    """q, k and v as the heads of one product's output: the same bits as torch, v handed on as a
-    copy (attention keeps it, not the whole output), and the three gradients one buffer in the
-    output's layout, as `Dense`'s joint products want them."""
+@pytest.mark.parametrize("incoming", ["apart", "one"])
+def test_rope_of_one_projection_lays_its_gradients_side_by_side(heads, dtype, incoming):
+    """q, k and v as the heads of one product's output: the same bits as torch, the outputs the
+    heads of one new tensor with v copied there (attention keeps it, not the whole output), and
+    the three gradients one buffer in the output's layout, as `Dense`'s joint products want them;
+    gradients that come as the heads of one tensor (`attention.grads_like`) rotated there."""
     from aner.model.llama import side_by_side
     H, K = heads
     B, T, E = 2, 9, 64
     cos, sin = tables(H, T, E)
     proj = torch.randn(B, T, (H + 2 * K) * E, device=DEV).to(dtype)
-    gs = [torch.randn(B, n, T, E, device=DEV).to(dtype) for n in (H, K, K)]
 
     def heads_of(p):
         return [x.transpose(1, 2) for x in p.view(B, T, H + 2 * K, E).split([H, K, K], dim=2)]
+    if incoming == "one":
+        gs = heads_of(torch.randn(B, T, (H + 2 * K) * E, device=DEV).to(dtype))
+    else:
+        gs = [torch.randn(B, n, T, E, device=DEV).to(dtype) for n in (H, K, K)]
 
     leaf = proj.clone().requires_grad_(True)
     q, k, v = heads_of(leaf)
@@ -109,9 +114,12 @@ def test_rope_of_one_projection_lays_its_gradients_side_by_side(heads, dtype):
 
     assert all(torch.equal(g, w) for g, w in zip(got, want))
     assert got[2].untyped_storage().data_ptr() != p.untyped_storage().data_ptr()
-    assert got[2].transpose(1, 2).is_contiguous() and got[0].transpose(1, 2).is_contiguous()
+    whole = side_by_side([g.transpose(1, 2) for g in got], 2)
+    assert whole is not None and whole.is_contiguous()
     assert all(torch.equal(g, w) for g, w in zip(grads, want_grads))
     assert side_by_side([g.transpose(1, 2) for g in grads], 2) is not None
+    in_place = grads[0].untyped_storage().data_ptr() == gs[0].untyped_storage().data_ptr()
+    assert in_place == (incoming == "one")
 
 
 RMS_D = [576, 2048, 781] + ([] if INTERPRET else [8192])

@@ -238,7 +238,7 @@ class _Attention(torch.autograd.Function):
         group = H // k.shape[1]
         if do.stride(-1) != 1:
             do = do.contiguous()
-        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        dq, dk, dv = grads_like(q, k, v)
         if not q.numel():
             return dq, dk, dv, None
         delta = torch.empty_like(lse)
@@ -252,6 +252,16 @@ class _Attention(torch.autograd.Function):
         bm = ctx.tiles["dq"][0]
         _launch(_dq_kernel, (B * H, triton.cdiv(T, bm)), (*common, dq, *strides), ctx.tiles["dq"])
         return dq, dk, dv, None
+
+
+def grads_like(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Empty gradients for q, k and v with their strides: the heads of one tensor where q, k and v
+    are the heads of one contiguous (B, T, H + 2 K, E) tensor (as `layer.rope` hands them over,
+    whose backward then rotates them in place), each like its own tensor otherwise."""
+    whole = llama.side_by_side([x.transpose(1, 2) for x in (q, k, v)], 2)
+    if whole is None or not whole.is_contiguous():
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    return tuple(g.transpose(1, 2) for g in torch.empty_like(whole).split([q.shape[1], k.shape[1], v.shape[1]], 2))
 
 
 def supported(q: torch.Tensor) -> bool:

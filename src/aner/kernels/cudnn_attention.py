@@ -23,7 +23,7 @@ import math
 import torch
 
 from ..model import llama
-from .attention import check
+from .attention import check, grads_like
 
 _DTYPES = {torch.float16: "HALF", torch.bfloat16: "BFLOAT16", torch.float32: "FLOAT"}
 _handles = {}    # device index -> cuDNN handle
@@ -108,7 +108,7 @@ class _Attention(torch.autograd.Function):
         q, k, v, o, stats = ctx.saved_tensors
         if do.stride(-1) != 1:
             do = do.contiguous()
-        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        dq, dk, dv = grads_like(q, k, v)
         if q.numel():
             _run("backward", {"q": q, "k": k, "v": v, "o": o, "do": do, "stats": stats}, {"dq": dq, "dk": dk, "dv": dv})
         return dq, dk, dv

@@ -45,11 +45,12 @@ from .splits import sum_splits
 
 
 @triton.jit
-def _rope_kernel(x, cos, sin, out, n, T, E, sxb, sxh, sxt, sob, soh, sot,
+def _rope_kernel(x, cos, sin, out, n, rotated, T, E, sxb, sxh, sxt, sob, soh, sot,
                  BACKWARD: tl.constexpr, BT: tl.constexpr, BE: tl.constexpr):
     """out[t, e] = x[t, e] * cos[t, e] + x[t, e^1] * sin[t, e] for BT positions of one (b, head);
     BACKWARD reads sin[t, e^1] instead (the gradient through the flip). FP32, one final rounding.
-    Rows are loaded whole and split into their even and odd elements (vector loads, no gather)."""
+    Heads from `rotated` on are copied as they are. Rows are loaded whole and split into their even
+    and odd elements (vector loads, no gather)."""
     after_prior()
     b = tl.program_id(0) // n
     h = tl.program_id(0) % n
@@ -63,34 +64,36 @@ def _rope_kernel(x, cos, sin, out, n, T, E, sxb, sxh, sxt, sob, soh, sot,
     s0, s1 = tl.split(tl.reshape(tl.load(sin + t64 * E + e[None, :], mask=mask, other=0.0), (BT, BE // 2, 2)))
     if BACKWARD:
         s0, s1 = s1, s0
-    y0 = x0 * c0 + x1 * s0                          # two roundings of products, one of the sum
-    y1 = x1 * c1 + x0 * s1
+    rotate = h < rotated
+    y0 = tl.where(rotate, x0 * c0 + x1 * s0, x0)    # two roundings of products, one of the sum
+    y1 = tl.where(rotate, x1 * c1 + x0 * s1, x1)
     y = tl.reshape(tl.join(y0, y1), (BT, BE))
     dst = out + b.to(tl.int64) * sob + h.to(tl.int64) * soh + t64 * sot
     tl.store(dst + e[None, :], y.to(out.dtype.element_ty), mask=mask)
 
 
-def _rope_launch(x, cos, sin, out, backward: bool) -> torch.Tensor:
-    """Rotate x (B, n, T, E), last stride 1, into out (same shape, any strides, last stride 1)."""
+def _rope_launch(x, cos, sin, out, backward: bool, rotated: int | None = None) -> torch.Tensor:
+    """Rotate x (B, n, T, E), last stride 1, into out (same shape, any strides, last stride 1; x
+    itself too): its first `rotated` heads (all by default), the rest copied."""
     B, n, T, E = x.shape
     be = triton.next_power_of_2(E)
     bt = max(1, 4096 // be)                         # a fixed function of E: one compile per head width
     if out.numel():
         _rope_kernel[(B * n, triton.cdiv(T, bt))](
-            x, cos, sin, out, n, T, E, *x.stride()[:3], *out.stride()[:3],
+            x, cos, sin, out, n, n if rotated is None else rotated, T, E, *x.stride()[:3], *out.stride()[:3],
             BACKWARD=backward, BT=bt, BE=be, num_warps=4, enable_fp_fusion=False, **launch_options(x.device))
     return out
 
 
-def _positions_first(x: torch.Tensor, dtype) -> torch.Tensor:
-    """An empty (B, n, T, E) tensor over (B, T, n, E) memory: the layout of a projection's heads."""
-    B, n, T, E = x.shape
-    return torch.empty(B, T, n, E, device=x.device, dtype=dtype).transpose(1, 2)
+def _heads_of_one(q, k, v) -> torch.Tensor | None:
+    """The (B, T, H + 2 K, E) tensor whose heads (B, n, T, E) q, k and v are, in order, as a view;
+    else None."""
+    return side_by_side([x.transpose(1, 2) for x in (q, k, v)], 2)
 
 
-def _heads_side_by_side(*xs) -> bool:
-    """Whether (B, n_i, T, E) tensors are the heads of one (B, T, sum n_i, E) tensor, in order."""
-    return side_by_side([x.transpose(1, 2) for x in xs], 2) is not None
+def _heads(whole: torch.Tensor, H: int, K: int):
+    """q's, k's and v's heads (B, n, T, E) of a (B, T, H + 2 K, E) tensor."""
+    return tuple(x.transpose(1, 2) for x in whole.split([H, K, K], dim=2))
 
 
 class _Rope(torch.autograd.Function):
@@ -98,11 +101,15 @@ class _Rope(torch.autograd.Function):
     def forward(ctx, q, k, v, cos, sin):
         ctx.save_for_backward(cos, sin)
         ctx.dtypes = q.dtype, k.dtype
-        ctx.joint = _heads_side_by_side(q, k, v)
+        whole = _heads_of_one(q, k, v)
+        ctx.joint = whole is not None
+        if ctx.joint:     # one launch; v copied: attention keeps it, not the projections' whole output
+            H, K = q.shape[1], k.shape[1]
+            out = torch.empty(whole.shape, device=v.device, dtype=v.dtype)
+            _rope_launch(whole.transpose(1, 2), cos, sin, out.transpose(1, 2), backward=False, rotated=H + K)
+            return _heads(out, H, K)
         # empty_like keeps a dense input's strides: the layout torch's elementwise result would have.
-        qr, kr = ((_positions_first(x, v.dtype) if ctx.joint else torch.empty_like(x, dtype=v.dtype)) for x in (q, k))
-        if ctx.joint:     # v copied: attention keeps it, not the projections' whole output
-            v = _positions_first(v, v.dtype).copy_(v)
+        qr, kr = (torch.empty_like(x, dtype=v.dtype) for x in (q, k))
         return _rope_launch(q, cos, sin, qr, backward=False), _rope_launch(k, cos, sin, kr, backward=False), v
 
     @staticmethod
@@ -110,16 +117,23 @@ class _Rope(torch.autograd.Function):
     def backward(ctx, gq, gk, gv):
         cos, sin = ctx.saved_tensors
         gq, gk = (g if g.stride(-1) == 1 else g.contiguous() for g in (gq, gk))   # e.g. expanded (stride 0)
-        if ctx.joint:     # laid out as the projections' outputs were: one product makes their input's
-            B, H, T, E = gq.shape
-            K = gk.shape[1]
-            joint = torch.empty(B, T, H + 2 * K, E, device=gq.device, dtype=ctx.dtypes[0])
-            dq, dk, dv = (part.transpose(1, 2) for part in joint.split([H, K, K], dim=2))
-            dv.copy_(gv)
+        if not ctx.joint:
+            dq, dk = torch.empty_like(gq, dtype=ctx.dtypes[0]), torch.empty_like(gk, dtype=ctx.dtypes[1])
+            return (_rope_launch(gq, cos, sin, dq, backward=True), _rope_launch(gk, cos, sin, dk, backward=True), gv,
+                    None, None)
+        # laid out as the projections' outputs were: one product makes their input's
+        (B, H, T, E), K = gq.shape, gk.shape[1]
+        whole = _heads_of_one(gq, gk, gv)
+        if whole is not None and whole.dtype == ctx.dtypes[0]:    # attention's gradients in one tensor
+            rotated = whole.transpose(1, 2)[:, :H + K]              # (`attention.grads_like`): rotated there
+            _rope_launch(rotated, cos, sin, rotated, backward=True)
         else:
-            dq, dk, dv = torch.empty_like(gq, dtype=ctx.dtypes[0]), torch.empty_like(gk, dtype=ctx.dtypes[1]), gv
-        return (_rope_launch(gq, cos, sin, dq, backward=True), _rope_launch(gk, cos, sin, dk, backward=True), dv,
-                None, None)
+            whole = torch.empty(B, T, H + 2 * K, E, device=gq.device, dtype=ctx.dtypes[0])
+            dq, dk, dv = _heads(whole, H, K)
+            dv.copy_(gv)
+            _rope_launch(gq, cos, sin, dq, backward=True)
+            _rope_launch(gk, cos, sin, dk, backward=True)
+        return *_heads(whole, H, K), None, None
 
 
 def _check_rope(name, x, cos, sin):
@@ -148,9 +162,10 @@ def rope(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
     q (B, H, T, E), k and v (B, K, T, E) FP32/FP16/BF16 with any strides whose last is 1 (the
     model's transposed views of its projections); cos and sin (T, E) FP32 contiguous, as
     `rope_tables` makes them. The outputs have q's and k's layout. When q, k and v are the heads of
-    one tensor (one GEMM's output: `llama.Dense`'s products of a group), v is copied, so that the
-    projections' output is not kept for attention's backward, and the three gradients are that
-    tensor's layout again, one buffer."""
+    one tensor (one GEMM's output: `llama.Dense`'s products of a group), the outputs are the heads
+    of one new tensor, made by one launch that copies v, so that the projections' output is not
+    kept for attention's backward; the three gradients are heads of one tensor in that layout
+    again, rotated in place where attention gives them so (`attention.grads_like`)."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         _check_rope(name, x, cos, sin)
     B, _, T, E = q.shape
