@@ -232,24 +232,45 @@ def profile(combo: str, updates=2, warmup=2):
 
 
 def idle(prof, top=12):
-    """Where the GPU waits: the gaps between consecutive kernels and copies of the recorded updates
-    (one timeline), their total and the largest, each with the work on either side."""
+    """Where the GPU waits and what each kernel holds it for, over the recorded updates (one
+    timeline of kernels, copies and memsets). A kernel's exposed time is its end less the later of
+    its start and the end of the work before it: under programmatic dependent launch a kernel
+    starts while the one before it finishes and waits, so its own recorded duration counts that
+    wait, and the durations add up to more than the timeline; the exposed times add up to it, less
+    the gaps. Then the gaps (their total and the largest, each with the work on either side) and
+    what comes before and after the memsets (whose launches these are)."""
+    import collections
     import tempfile
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         prof.export_chrome_trace(f.name)
         events = json.loads(Path(f.name).read_text())["traceEvents"]
     gpu = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")), key=lambda e: e["ts"])
     gaps, end, prev = [], gpu[0]["ts"], gpu[0]
+    exposed, count = collections.Counter(), collections.Counter()
+    before_memset, after_memset = collections.Counter(), collections.Counter()
     for e in gpu:
         if e["ts"] > end:
             gaps.append((e["ts"] - end, prev["name"][:60], e["name"][:60]))
+        name = e["name"][:70]
+        exposed[name] += max(0.0, e["ts"] + e["dur"] - max(e["ts"], end))
+        count[name] += 1
+        if prev is not e and prev.get("cat") == "gpu_memset":
+            after_memset[name] += 1
+        if prev is not e and e.get("cat") == "gpu_memset":
+            before_memset[prev["name"][:70]] += 1
         if e["ts"] + e["dur"] >= end:
-            end, prev = e["ts"] + e["dur"], e
+            end = e["ts"] + e["dur"]
+        prev = e
     span = end - gpu[0]["ts"]
     total = sum(g for g, _, _ in gaps)
-    print(f"GPU timeline {span / 1e3:.1f} ms, idle {total / 1e3:.1f} ms in {len(gaps)} gaps; largest:")
+    print(f"GPU timeline {span / 1e3:.1f} ms, exposed time by kernel (ms, launches):")
+    for name, t in exposed.most_common(30):
+        print(f"  {t / 1e3:8.2f} {count[name]:6}  {name}")
+    print(f"idle {total / 1e3:.1f} ms in {len(gaps)} gaps; largest:")
     for g, a, b in sorted(gaps, reverse=True)[:top]:
         print(f"  {g / 1e3:7.2f} ms  after {a}  before {b}")
+    for where, seen in (("before", before_memset), ("after", after_memset)):
+        print(f"{where} a memset:", ", ".join(f"{n} {name[:50]}" for name, n in seen.most_common(6)))
 
 
 def main():
