@@ -254,14 +254,25 @@ class _Attention(torch.autograd.Function):
         return dq, dk, dv, None
 
 
+def heads_of_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | None:
+    """The (B, T, H + 2 K, E) tensor whose heads (B, n, T, E) q, k and v are, in order, as a view;
+    else None."""
+    return llama.side_by_side([x.transpose(1, 2) for x in (q, k, v)], 2)
+
+
+def heads(whole: torch.Tensor, H: int, K: int) -> tuple[torch.Tensor, ...]:
+    """q's, k's and v's heads (B, n, T, E) of a (B, T, H + 2 K, E) tensor."""
+    return tuple(x.transpose(1, 2) for x in whole.split([H, K, K], dim=2))
+
+
 def grads_like(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """Empty gradients for q, k and v with their strides: the heads of one tensor where q, k and v
     are the heads of one contiguous (B, T, H + 2 K, E) tensor (as `layer.rope` hands them over,
     whose backward then rotates them in place), each like its own tensor otherwise."""
-    whole = llama.side_by_side([x.transpose(1, 2) for x in (q, k, v)], 2)
+    whole = heads_of_one(q, k, v)
     if whole is None or not whole.is_contiguous():
         return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    return tuple(g.transpose(1, 2) for g in torch.empty_like(whole).split([q.shape[1], k.shape[1], v.shape[1]], 2))
+    return heads(torch.empty_like(whole), q.shape[1], k.shape[1])
 
 
 def supported(q: torch.Tensor) -> bool:

@@ -40,6 +40,7 @@ from torch import nn
 from ..errors import ConfigError
 from ..model.llama import side_by_side
 from . import FLOATS, TARGET_PROGRAMS
+from .attention import heads, heads_of_one
 from .launch import after_prior, launch_options
 from .splits import sum_splits
 
@@ -85,29 +86,18 @@ def _rope_launch(x, cos, sin, out, backward: bool, rotated: int | None = None) -
     return out
 
 
-def _heads_of_one(q, k, v) -> torch.Tensor | None:
-    """The (B, T, H + 2 K, E) tensor whose heads (B, n, T, E) q, k and v are, in order, as a view;
-    else None."""
-    return side_by_side([x.transpose(1, 2) for x in (q, k, v)], 2)
-
-
-def _heads(whole: torch.Tensor, H: int, K: int):
-    """q's, k's and v's heads (B, n, T, E) of a (B, T, H + 2 K, E) tensor."""
-    return tuple(x.transpose(1, 2) for x in whole.split([H, K, K], dim=2))
-
-
 class _Rope(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, cos, sin):
         ctx.save_for_backward(cos, sin)
         ctx.dtypes = q.dtype, k.dtype
-        whole = _heads_of_one(q, k, v)
+        whole = heads_of_one(q, k, v)
         ctx.joint = whole is not None
         if ctx.joint:     # one launch; v copied: attention keeps it, not the projections' whole output
             H, K = q.shape[1], k.shape[1]
             out = torch.empty(whole.shape, device=v.device, dtype=v.dtype)
             _rope_launch(whole.transpose(1, 2), cos, sin, out.transpose(1, 2), backward=False, rotated=H + K)
-            return _heads(out, H, K)
+            return heads(out, H, K)
         # empty_like keeps a dense input's strides: the layout torch's elementwise result would have.
         qr, kr = (torch.empty_like(x, dtype=v.dtype) for x in (q, k))
         return _rope_launch(q, cos, sin, qr, backward=False), _rope_launch(k, cos, sin, kr, backward=False), v
@@ -123,17 +113,17 @@ class _Rope(torch.autograd.Function):
                     None, None)
         # laid out as the projections' outputs were: one product makes their input's
         (B, H, T, E), K = gq.shape, gk.shape[1]
-        whole = _heads_of_one(gq, gk, gv)
+        whole = heads_of_one(gq, gk, gv)
         if whole is not None and whole.dtype == ctx.dtypes[0]:    # attention's gradients in one tensor
             rotated = whole.transpose(1, 2)[:, :H + K]              # (`attention.grads_like`): rotated there
             _rope_launch(rotated, cos, sin, rotated, backward=True)
         else:
             whole = torch.empty(B, T, H + 2 * K, E, device=gq.device, dtype=ctx.dtypes[0])
-            dq, dk, dv = _heads(whole, H, K)
+            dq, dk, dv = heads(whole, H, K)
             dv.copy_(gv)
             _rope_launch(gq, cos, sin, dq, backward=True)
             _rope_launch(gk, cos, sin, dk, backward=True)
-        return *_heads(whole, H, K), None, None
+        return *heads(whole, H, K), None, None
 
 
 def _check_rope(name, x, cos, sin):
