@@ -39,6 +39,8 @@
 #                                                                     -> <date>-h200-joined-delta.json
 #   bandwidth   benchmarks/adapter_bandwidth.py (project and reduce_tokens against cuBLAS on the same BF16
 #               parts and a plain read)                               -> <date>-h200-adapter-bandwidth.json
+#   head        benchmarks/head_chunks.py (the head's products over 8 x 1024 positions, a chunk at a time,
+#               at several chunk sizes)                               -> <date>-h200-head-chunks.json
 #   joint       benchmarks/joint_gemms.py (a group's projections as one GEMM against one a weight) -> <date>-h200-joint-gemms.json
 #   overlap     benchmarks/overlap.py (AdamW and the clipping norm's squares on a second stream beside
 #               the GEMMs: whether they hide)                         -> <date>-h200-overlap.json
@@ -128,6 +130,7 @@ for stage in "$@"; do
                  "$OUT/$day-h200-adapter-bandwidth.json" 2>&1 | tee "$OUT/adapter-bandwidth.log" ;;
     joined) PYTHONPATH=$PYTHONPATH:$PWD/benchmarks python3 benchmarks/joined_delta.py "$OUT/$day-h200-joined-delta.json" 2>&1 \
               | tee "$OUT/joined-delta.log" ;;
+    head) python3 benchmarks/head_chunks.py "$OUT/$day-h200-head-chunks.json" 2>&1 | tee "$OUT/head-chunks.log" ;;
     joint) python3 benchmarks/joint_gemms.py "$OUT/$day-h200-joint-gemms.json" 2>&1 | tee "$OUT/joint-gemms.log" ;;
     lora) python3 benchmarks/lora_kernels.py "$OUT/$day-h200-lora-kernels.json" ${LORA:-} 2>&1 | tee "$OUT/lora-kernels.log" | tail -n 60 ;;
     overlap) python3 benchmarks/overlap.py "$OUT/$day-h200-overlap.json" 2>&1 \

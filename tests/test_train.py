@@ -438,6 +438,19 @@ def test_chunked_head_loss_equals_whole_logits(tiny_factory, data, monkeypatch, 
         assert got[n].abs().max() > 0, n
 
 
+def test_chunk_positions_are_whole_tiles_within_the_bytes():
+    """A chunk holds the most positions that fit CHUNK_BYTES, rounded down to whole tiles of
+    CHUNK_ROWS; a trained head's chunk as many as its weight gradient's read and write move."""
+    from aner.train import loss as L
+    for vocab, itemsize in [(128256, 2), (128256, 4), (49152, 2), (49152, 4), (32000, 4)]:
+        n = L.chunk_positions(vocab, itemsize)
+        assert n % L.CHUNK_ROWS == 0 and n * itemsize * vocab <= L.CHUNK_BYTES
+        assert (n + L.CHUNK_ROWS) * itemsize * vocab > L.CHUNK_BYTES, (vocab, itemsize)
+    assert L.chunk_positions(128256, 2) == 1024
+    assert L.chunk_positions(128256, 2, trained_dim=2048) == 8 * 2048 // 2
+    assert L.chunk_positions(10 ** 9) == 1                      # at least one position
+
+
 def test_all_finite_finds_any_non_finite_element():
     from aner.train.optim import all_finite
     grads = {"a": torch.randn(5), "b": torch.randn(30, 7) * 3e37}   # huge but finite: no false alarm
