@@ -221,12 +221,15 @@ def default_tiles(op: str, R: int) -> Tiles:
     """The tiles used when none are given: a fixed function of the op and the rank (measured at
     8192 tokens on the H200; ranks up to 48 at every shape of a Llama-3.2-1B and Llama-3.1-8B
     update, `benchmarks/lora_kernels.py --sweep`)."""
-    wide = _rank_tile(R) > 64
+    rank_tile = _rank_tile(R)
     if op == "project":
-        return Tiles(128, 32) if wide else Tiles(128, 64, warps=8, stages=3)
+        return Tiles(128, 32) if rank_tile > 64 else Tiles(128, 64, warps=8, stages=4 if rank_tile == 16 else 3)
     if op == "expand":   # 64 parts of the rows: two 64-row tiles a program at 8192 tokens
-        return Tiles(64, 64 if wide else 128, split=64)
-    return Tiles(128, 32) if wide else Tiles(64, 128, stages=3)
+        return Tiles(64, 64 if rank_tile > 64 else 128, split=64)
+    if rank_tile > 64:
+        return Tiles(128, 32)
+    # q's, k's and v's A's together (rank 48): 8 parts of the tokens
+    return Tiles(64, 128, warps=8, split=8) if rank_tile == 64 else Tiles(64, 128, stages=3)
 
 
 def _parts(tiles: int, steps: int, split: int) -> tuple[int, int]:
