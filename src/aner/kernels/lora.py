@@ -58,7 +58,7 @@ from .splits import joined_args, store_parts, sum_splits
 class Tiles:
     """One launch's tiles: bm rows (tokens) x bn columns; split: parts of the dimension a
     program loops over (the reduced one of project and reduce_tokens, expand's rows; 0: enough
-    parts for TARGET_PROGRAMS programs); tc: products on the tensor cores through BF16 parts
+    parts for about `programs` programs); tc: products on the tensor cores through BF16 parts
     (`fp32.fp32_dot`), else FP32 FMAs; stages: the software pipeline's depth of those loops."""
     bm: int
     bn: int
@@ -66,6 +66,7 @@ class Tiles:
     split: int = 0
     tc: bool = True
     stages: int = 2
+    programs: int = TARGET_PROGRAMS
 
 
 @triton.jit
@@ -228,13 +229,14 @@ def default_tiles(op: str, R: int) -> Tiles:
         return Tiles(64, 64 if rank_tile > 64 else 128, split=64)
     if rank_tile > 64:
         return Tiles(128, 32)
-    # q's, k's and v's A's together (rank 48): 8 parts of the tokens
-    return Tiles(64, 128, warps=8, split=8) if rank_tile == 64 else Tiles(64, 128, stages=3)
+    # q's, k's and v's A's together (rank 48): one program a multiprocessor, 8 parts of the
+    # tokens at 2048 columns
+    return Tiles(64, 128, warps=8, programs=TARGET_PROGRAMS // 2) if rank_tile == 64 else Tiles(64, 128, stages=3)
 
 
-def _parts(tiles: int, steps: int, split: int) -> tuple[int, int]:
-    """(parts, steps per part) for `split` parts of `steps` (0: enough for TARGET_PROGRAMS), none empty."""
-    split = split or max(1, TARGET_PROGRAMS // max(1, tiles))
+def _parts(tiles: int, steps: int, split: int, programs: int = TARGET_PROGRAMS) -> tuple[int, int]:
+    """(parts, steps per part) for `split` parts of `steps` (0: enough for `programs`), none empty."""
+    split = split or max(1, programs // max(1, tiles))
     per = triton.cdiv(steps, max(1, min(split, steps)))
     return (triton.cdiv(steps, per) if steps else 1), per
 
@@ -252,7 +254,7 @@ def project(p: torch.Tensor, w: torch.Tensor, tiles: Tiles | None = None,
     R = w.shape[0]
     assert joined is None or parts is not None
     t = tiles or default_tiles("project", R)
-    split, per = _parts(triton.cdiv(M, t.bm), triton.cdiv(N, t.bn), t.split)
+    split, per = _parts(triton.cdiv(M, t.bm), triton.cdiv(N, t.bn), t.split, t.programs)
     whole = parts is not None and split == 1                   # no sum to make: the kernel writes the parts
     if whole:
         assert parts.dtype == torch.bfloat16 and parts.shape == (3, M, R) and parts.stride(2) == 1
@@ -296,7 +298,7 @@ def expand(q: torch.Tensor, w: torch.Tensor, base: torch.Tensor | None, dtype: t
     R = _check_parts(q, M)
     N = w.shape[0]
     t = tiles or default_tiles("expand", R)
-    split, per = _parts(triton.cdiv(N, t.bn), triton.cdiv(M, t.bm), t.split)
+    split, per = _parts(triton.cdiv(N, t.bn), triton.cdiv(M, t.bm), t.split, t.programs)
     if out is None:
         out = torch.empty(M, N, device=q.device, dtype=dtype)
     assert out.shape == (M, N) and out.dtype == dtype and out.stride(1) == 1
@@ -321,7 +323,7 @@ def reduce_tokens(p: torch.Tensor, q: torch.Tensor, tiles: Tiles | None = None, 
     M, N = p.shape
     R = _check_parts(q, M)
     t = tiles or default_tiles("reduce_tokens", R)
-    split, per = _parts(triton.cdiv(N, t.bn), triton.cdiv(M, t.bm), t.split)
+    split, per = _parts(triton.cdiv(N, t.bn), triton.cdiv(M, t.bm), t.split, t.programs)
     out = torch.empty((R, N) if transposed else (N, R), device=p.device, dtype=torch.float32)
     nr = out.t() if transposed else out                         # the result as (N, R), at out's strides
     if not M:
