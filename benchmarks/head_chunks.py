@@ -22,11 +22,10 @@ def head(dim: int) -> dict:
     g = torch.Generator(device="cuda").manual_seed(0)
     h = torch.randn(POSITIONS, dim, device="cuda", dtype=torch.bfloat16, generator=g)
     w = torch.randn(VOCAB, dim, device="cuda", dtype=torch.bfloat16, generator=g) * 0.02
-    biggest = max(CHUNKS)
-    logits = torch.empty(biggest, VOCAB, device="cuda", dtype=torch.bfloat16)
+    logits = torch.empty(max(CHUNKS), VOCAB, device="cuda", dtype=torch.bfloat16)
     dh = torch.empty(POSITIONS, dim, device="cuda", dtype=torch.bfloat16)
 
-    def chunked(step, forward=True, backward=True):
+    def chunked(step, forward, backward):
         def run():
             for s in range(0, POSITIONS, step):
                 n = min(step, POSITIONS - s)
