@@ -213,6 +213,7 @@ class _Attention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, tiles):
         B, H, T, E = q.shape
+        ctx.tiles, ctx.scale = tiles, 1.0 / math.sqrt(E)
         # o in (B, T, H, E) memory: the model's reshape of it to (B, T, H * E) is a view; lse: each
         # row's log-sum-exp (base 2)
         o = torch.empty(B, T, H, E, device=q.device, dtype=q.dtype).transpose(1, 2)
@@ -220,9 +221,8 @@ class _Attention(torch.autograd.Function):
         if q.numel():
             _launch(_fwd_kernel, (B * H, triton.cdiv(T, tiles["fwd"][0])),
                     (q, k, v, o, lse, *_strides(q), *_strides(k), *_strides(v), *_strides(o), H, H // k.shape[1], T,
-                     1.0 / math.sqrt(E) * LOG2E), tiles["fwd"])
+                     ctx.scale * LOG2E), tiles["fwd"])
         ctx.save_for_backward(q, k, v, o, lse)
-        ctx.tiles, ctx.scale = tiles, 1.0 / math.sqrt(q.shape[-1])
         return o
 
     @staticmethod
