@@ -3,6 +3,8 @@
     CUBLAS_WORKSPACE_CONFIG=:4096:8 python benchmarks/throughput.py OUT.json [model:method[:flag] ...]
         [--steps N] [--rounds R] [--no-peer]
     ... --profile model:method[:flag]   where one update's GPU time goes (no JSON)
+    python benchmarks/throughput.py --table RECORD.json[@model:method[:flag]] ...
+        the README's table of those records' rows (each record's every row, or the one named)
 
 Both sides train random-weight models of the real shapes (SmolLM2-135M, Llama-3.2-1B, Llama-3.1-8B)
 on batches of 8 x 1024 tokens: BF16 operation policy, LoRA rank 16 / alpha 32 on all seven
@@ -281,9 +283,12 @@ def main():
     ap.add_argument("--no-peer", action="store_true")
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--rounds", type=int, default=1, help="ours and the peer alternated; medians reported")
+    ap.add_argument("--table", nargs="+", metavar="RECORD[@COMBO]")
     a = ap.parse_intermixed_args()
     if a.profile:
         return profile(a.profile)
+    if a.table:
+        return print(table(a.table))
     combos = a.combos or DEFAULT
     out = Path(a.out)
     record = {"schema": "aner.throughput/1", "date": time.strftime("%Y-%m-%d"),
@@ -365,6 +370,38 @@ def row(combo: str, rounds: list) -> dict:
     if len(rounds) > 1:
         out["rounds"] = [{"ours": r, "peer": q} for r, q in rounds]
     return out
+
+
+def target(model: str, method: str) -> float:
+    """The ratio to the peer that the row must reach: QLoRA 2x (Llama-3.1-8B 1.4x), else 1.5x."""
+    return (1.4 if model == "llama-3.1-8b" else 2.0) if method == "qlora" else 1.5
+
+
+def table(records: list[str]) -> str:
+    """Markdown rows of records' rows, `RECORD@COMBO` naming one: each side's figures as `row` chose
+    them, every round's ratio, whether both sides' losses were finite and fell in every round, the
+    device, and whether the ratio reaches the target."""
+    lines = ["| model | method and flags | ours tokens/s | ours peak | peer tokens/s | peer peak | ours / peer "
+             "(rounds) | both train | device | target |", "| --- " * 10 + "|"]
+    for spec in records:
+        path, _, only = spec.partition("@")
+        record = json.loads(Path(path).read_text())
+        rows = [r for r in record["rows"] if only in ("", r["combo"])]
+        if not rows:
+            raise SystemExit(f"{path} has no row {only!r}: it has {[r['combo'] for r in record['rows']]}")
+        for r in rows:
+            rounds = r.get("rounds", [{"ours": r["ours"], "peer": r["peer"]}])
+            ratios = ", ".join(f"{q['ours']['tokens_per_s'] / q['peer']['tokens_per_s']:.3f}" for q in rounds)
+            trains = all(q[side].get("finite") and q[side].get("loss_fell") for q in rounds for side in ("ours", "peer"))
+            goal = target(r["model"], r["method"])
+            lines.append(" | ".join([
+                "", r["model"], ":".join(r["combo"].split(":")[1:]),
+                f"{r['ours']['tokens_per_s'] / 1e3:.1f}k", f"{r['ours']['peak_bytes'] / 2**30:.1f} GiB",
+                f"{r['peer']['tokens_per_s'] / 1e3:.1f}k", f"{r['peer']['peak_bytes'] / 2**30:.1f} GiB",
+                f"**{r['speedup']:.3f}x** ({ratios})", "yes" if trains else "**no**",
+                record["environment"]["device"].removeprefix("NVIDIA ").split()[0],
+                f"{goal:g}x: {'met' if r['speedup'] >= goal else '**not met**'}", ""]).strip())
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
