@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from aner import gen, llm
 from aner.cli import main
@@ -31,7 +32,8 @@ from conftest import EXAMPLES
 from fixtures import assert_same_state
 
 ANER = Path(sys.executable).with_name("aner")
-EXAMPLE_RECIPES = 7                      # lora, rslora, lora_fa, tinylora, qlora, full, resume
+EXAMPLE_RECIPES = 8                      # lora, rslora, lora_fa, tinylora, qlora, qlora_gpu, full, resume
+GPU_RECIPES = 0 if torch.cuda.is_available() else 1    # qlora_gpu.toml is refused without a CUDA device
 TINY_RUN = dict(micro_batch=2, accumulation=1, rate=1e-3, seed=3)
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -117,14 +119,20 @@ def test_every_example_recipe_checks(smol, cli):
     assert len(smol["found"]) == EXAMPLE_RECIPES
     before = smol["before"]
     oks = [s for s in before.stdout.splitlines() if s.endswith(")") and ": OK (" in s]
-    assert len(oks) == EXAMPLE_RECIPES - 1, before.stdout + before.stderr
+    assert len(oks) == EXAMPLE_RECIPES - 1 - GPU_RECIPES, before.stdout + before.stderr
+    if GPU_RECIPES:     # one problem, at its device: its profile's GPU kernels fit together, given a GPU
+        gpu = smol["recipes"] / "qlora_gpu.toml"
+        refused = [s for s in before.stderr.splitlines() if s.startswith(f"{gpu}:")]
+        assert refused == [f"{gpu}:{line_of(gpu.read_text(), 'device')}: [model] device: device='cuda:0' needs "
+                           "CUDA, but this PyTorch build or machine has no CUDA device; there is no CPU fallback: "
+                           "use device='cpu' explicitly"], before.stderr
     # resume.toml continues lora.toml's checkpoint, which does not exist until lora.toml ran
     resume = smol["recipes"] / "resume.toml"
     line = line_of(resume.read_text(), "resume_from")
     assert before.returncode == 2 and "1 problem(s) in" in before.stderr and "Traceback" not in before.stderr
     assert f"resume.toml:{line}: resume_from: checkpoint" in before.stderr and "does not exist" in before.stderr
     after = cli("check", *smol["found"])
-    assert after.stdout.count(": OK (") == EXAMPLE_RECIPES - 1 and "resume.toml: OK (resume, 10 updates" in after.stdout
+    assert after.stdout.count(": OK (") == EXAMPLE_RECIPES - 1 - GPU_RECIPES and "resume.toml: OK (resume, 10 updates" in after.stdout
     lora = smol["recipes"] / "lora.toml"       # now refused: its run folder exists
     assert f"lora.toml:{line_of(lora.read_text(), 'directory')}: [output] directory:" in after.stderr
     assert "already exists" in after.stderr and after.returncode == 2

@@ -5,6 +5,8 @@ CUBLAS_WORKSPACE_CONFIG=:4096:8 (see benchmarks/gpu_profiles.py for the matrix o
 """
 import contextlib
 import importlib.util
+import json
+import shutil
 
 import numpy as np
 import pytest
@@ -478,6 +480,28 @@ def test_cuda_graphs_refuse_host_tiles(tiny_path):
         m.nf4().with_training_profile(cuda_graphs=True)
     with pytest.raises(ConfigError, match="cannot record nf4_kernel='host_tiled'"):
         m.with_training_profile(cuda_graphs=True).nf4()
+
+
+def test_gpu_recipe_checks_and_trains_with_its_profile(tiny_path, tmp_path):
+    """examples/recipes/qlora_gpu.toml, the throughput table's profile, from the command line over
+    the tiny model: `check` finds nothing (its profile's keys fit together), `run` trains with that
+    profile and publishes its checkpoint and adapter package."""
+    from aner.cli import main
+    for part in ("recipes", "data"):
+        shutil.copytree(EXAMPLES / part, tmp_path / "examples" / part)
+    recipe = tmp_path / "examples" / "recipes" / "qlora_gpu.toml"
+    sets = ["--set", f"model.path={json.dumps(str(tiny_path))}", "--set", "training.steps=2",
+            "--set", "data.context=64"]
+    assert main(["check", str(recipe), *sets]) == 0
+    assert main(["run", str(recipe), *sets]) == 0
+    out = tmp_path / "out" / "qlora_gpu"
+    manifest = json.loads((out / "checkpoint" / "manifest.json").read_text())
+    assert manifest["counters"]["updates"] == 2 and manifest["storage"] == "nf4_double_quant"
+    assert {k: manifest["profile"][k] for k in ("precision", "nf4_kernel", "cuda_graphs", "adapter_kernel",
+                                                "layer_kernel")} == \
+        {"precision": "bfloat16", "nf4_kernel": "decoded_kept", "cuda_graphs": True, "adapter_kernel": "fused",
+         "layer_kernel": "fused"}
+    assert (out / "adapter-package" / "base.gguf").is_file()
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)

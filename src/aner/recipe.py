@@ -242,20 +242,24 @@ def _suggest(word, choices) -> str:
 
 
 def _each(p, section, given: dict, defaults: dict, validate):
-    """Run an API validator once per given key (defaults for the others), then on all of them
-    together: a validator stops at its first error, and a recipe reports every problem."""
-    alone_ok = True
-    for key, value in given.items():
+    """Report each problem of a section at its key, though an API validator stops at its first
+    error: a key is at fault where it fails with the API's defaults for the other keys and still
+    fails beside the given keys that pass so (a value is not refused for a default that another
+    given key replaces: cuda_graphs with a decoded NF4 kernel); what fails only in combination is
+    the section's."""
+    def error(**keys):
         try:
-            validate(**(defaults | {key: value}))
+            validate(**(defaults | keys))
         except AnerError as e:
-            p.add(section, key, str(e))
-            alone_ok = False
-    if alone_ok:
-        try:
-            validate(**(defaults | given))
-        except AnerError as e:
-            p.add(section, None, str(e))
+            return e
+        return None
+    alone = {key: error(**{key: value}) for key, value in given.items()}
+    fine = {key: given[key] for key, e in alone.items() if e is None}
+    faults = {key: e for key in given if alone[key] is not None and (e := error(**(fine | {key: given[key]})))}
+    for key, e in faults.items():
+        p.add(section, key, str(e))
+    if not faults and (e := error(**given)):
+        p.add(section, None, str(e))
 
 
 def _check_model(recipe, v, p):

@@ -16,15 +16,15 @@ def joins_deltas(dtype: torch.dtype, ranks) -> bool:
     return dtype == torch.bfloat16 and all(r % 8 == 0 for r in ranks)
 
 
-def fused_available() -> bool:
-    """True when the fused NF4 kernels (aner.kernels.nf4) can run: a CUDA device and Triton.
-
-    Triton is imported here, on demand, never when aner is imported (a CPU install needs no Triton).
-    """
-    if not torch.cuda.is_available():
-        return False
+def triton_installed() -> bool:
+    """Whether Triton imports: here, on demand, never when aner is imported (a CPU install needs none)."""
     try:
         import triton  # noqa: F401
     except ImportError:
         return False
     return True
+
+
+def fused_available() -> bool:
+    """True when the fused kernels can run: a CUDA device and Triton."""
+    return torch.cuda.is_available() and triton_installed()

@@ -112,8 +112,8 @@ class Profile:
             if device == "cpu":
                 raise ConfigError(f"{field}={value!r} runs GPU kernels and needs a CUDA device; "
                                   f"on device='cpu' use {field}={fallback!r}")
-            from ..kernels import fused_available
-            if not fused_available():
+            from ..kernels import triton_installed
+            if not triton_installed():          # a CUDA device's own absence is check_device's to report
                 raise ConfigError(f"{field}={value!r} needs Triton, which this installation lacks (it "
                                   f"comes with PyTorch's CUDA builds); use {field}={fallback!r}")
         if self.attention_kernel == "cudnn":
