@@ -48,7 +48,8 @@
 #               COMBOS, default llama-3.2-1b:full:cudnn)              -> <date>-h200-energy.json
 #   clocks      benchmarks/update_clocks.py (each update beside the SM clock, power, throttle reasons;
 #               COMBO, default llama-3.2-1b:full:cudnn)                -> update-clocks.log
-#   throughput  benchmarks/throughput.py (ours against the peer)     -> <date>-h200.json
+#   throughput  benchmarks/throughput.py (ours against the peer)     -> <date>-h200.json, its rows as the
+#               README's table at the end of throughput.log
 #               (COMBOS="model:method ... [--rounds R]" narrows it; R rounds alternate the two sides)
 #   ab          ours only, an earlier tree against this one, alternated ROUNDS times (default 2), one
 #               process each: OLD=a folder holding that tree's src/ and benchmarks/throughput.py
@@ -138,7 +139,8 @@ for stage in "$@"; do
     energy) python3 benchmarks/energy.py "$OUT/$day-h200-energy.json" ${COMBOS:-} 2>&1 \
               | tee "$OUT/energy.log" | grep -v "^ *$" ;;
     clocks) python3 benchmarks/update_clocks.py ${COMBO:-} 2>&1 | tee "$OUT/update-clocks.log" | grep -v "^   " ;;
-    throughput) python3 benchmarks/throughput.py "$OUT/$day-h200.json" ${COMBOS:-} 2>&1 | tee "$OUT/throughput.log" ;;
+    throughput) python3 benchmarks/throughput.py "$OUT/$day-h200.json" ${COMBOS:-} 2>&1 | tee "$OUT/throughput.log"
+                python3 benchmarks/throughput.py --table "$OUT/$day-h200.json" | tee -a "$OUT/throughput.log" ;;
     ab) for round in $(seq "${ROUNDS:-2}"); do for tree in "$OLD" "$PWD"; do
           name=$([ "$tree" = "$PWD" ] && echo new || echo old)
           python3 "$tree/benchmarks/throughput.py" "$OUT/ab-$name-$round.json" --no-peer ${COMBOS:-} 2>&1 | sed "s/^/$name /"

@@ -390,12 +390,19 @@ def table(records: list[str]) -> str:
         if not rows:
             raise SystemExit(f"{path} has no row {only!r}: it has {[r['combo'] for r in record['rows']]}")
         for r in rows:
+            flags = ":".join(r["combo"].split(":")[1:])
+            if "speedup" not in r:        # a side without figures: its error, or none measured (--no-peer)
+                side = "ours" if "tokens_per_s" not in r["ours"] else "peer"
+                lines.append(f"| {r['model']} | {flags} | {side}: {str(r[side].get('error', 'not measured'))[:80]} |"
+                             + " |" * 7)
+                continue
             rounds = r.get("rounds", [{"ours": r["ours"], "peer": r["peer"]}])
-            ratios = ", ".join(f"{q['ours']['tokens_per_s'] / q['peer']['tokens_per_s']:.3f}" for q in rounds)
+            ratios = ", ".join(f"{q['ours']['tokens_per_s'] / q['peer']['tokens_per_s']:.3f}"
+                               if "tokens_per_s" in q["ours"] and "tokens_per_s" in q["peer"] else "-" for q in rounds)
             trains = all(q[side].get("finite") and q[side].get("loss_fell") for q in rounds for side in ("ours", "peer"))
             goal = target(r["model"], r["method"])
             lines.append(" | ".join([
-                "", r["model"], ":".join(r["combo"].split(":")[1:]),
+                "", r["model"], flags,
                 f"{r['ours']['tokens_per_s'] / 1e3:.1f}k", f"{r['ours']['peak_bytes'] / 2**30:.1f} GiB",
                 f"{r['peer']['tokens_per_s'] / 1e3:.1f}k", f"{r['peer']['peak_bytes'] / 2**30:.1f} GiB",
                 f"**{r['speedup']:.3f}x** ({ratios})", "yes" if trains else "**no**",

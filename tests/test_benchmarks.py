@@ -41,3 +41,8 @@ def test_table_figures_and_refusal(tmp_path):
                         "| **no** | H200 | 2x: **not met** |")
     with pytest.raises(SystemExit, match="has no row 'llama-3.2-1b:lora'"):
         throughput().table([f"{path}@llama-3.2-1b:lora"])
+    failed = dict(row, ours={"side": "ours", "error": "OutOfMemoryError: CUDA out of memory"}, rounds=[])
+    del failed["speedup"]
+    path.write_text(json.dumps({"environment": {"device": "NVIDIA H200"}, "rows": [failed]}))
+    assert throughput().table([str(path)]).splitlines()[2] == \
+        "| llama-3.2-1b | qlora:kept | ours: OutOfMemoryError: CUDA out of memory |" + " |" * 7
