@@ -399,7 +399,8 @@ def table(records: list[str]) -> str:
             rounds = r.get("rounds", [{"ours": r["ours"], "peer": r["peer"]}])
             ratios = ", ".join(f"{q['ours']['tokens_per_s'] / q['peer']['tokens_per_s']:.3f}"
                                if "tokens_per_s" in q["ours"] and "tokens_per_s" in q["peer"] else "-" for q in rounds)
-            trains = all(q[side].get("finite") and q[side].get("loss_fell") for q in rounds for side in ("ours", "peer"))
+            trains = all(q[side].get("finite") and q[side].get("loss_fell")
+                         for q in rounds for side in ("ours", "peer"))
             goal = target(r["model"], r["method"])
             lines.append(" | ".join([
                 "", r["model"], flags,
