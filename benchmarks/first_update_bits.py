@@ -82,7 +82,7 @@ def kernels_named(kernels: list):
     runs, in order (cuBLAS's and cuDNN's choices among them); the recording itself is not profiled."""
     record = Graphed._record
 
-    def _record(self, inputs, targets, scale):
+    def _record(self, inputs, targets, rows, scale):
         fn = self.fn
 
         def profiled(*args):
@@ -97,7 +97,7 @@ def kernels_named(kernels: list):
             return result
         self.fn = profiled
         try:
-            return record(self, inputs, targets, scale)
+            return record(self, inputs, targets, rows, scale)
         finally:
             self.fn = fn
     return _record
@@ -180,9 +180,9 @@ def one(combo: str, fill: str, updates: int, names: bool = False, layers: int = 
     found, replay, record, eager, kernels, graphed = [], Graphed.__call__, Graphed._record, [], [], []
     checked = replay_bits.checking(1, found)                # each update's graph replayed once more
 
-    def call(self, inputs, targets, scale):
+    def call(self, inputs, targets, rows, scale):
         graphed[:] = [self]
-        return checked(self, inputs, targets, scale)
+        return checked(self, inputs, targets, rows, scale)
     Graphed.__call__ = call
     if names:
         Graphed._record = kernels_named(kernels)

@@ -28,12 +28,12 @@ def checking(replays: int, found: list):
     """Graphed.__call__ replaying `replays` more times per call, each compared with the first."""
     replay, calls = Graphed.__call__, [0]
 
-    def call(self, inputs, targets, scale):
+    def call(self, inputs, targets, rows, scale):
         calls[0] += 1
-        loss, grads = replay(self, inputs, targets, scale)
+        loss, grads = replay(self, inputs, targets, rows, scale)
         first = (loss.clone(), [g.clone() for g in grads])
         for r in range(replays):
-            loss, grads = replay(self, inputs, targets, scale)
+            loss, grads = replay(self, inputs, targets, rows, scale)
             bad = [i for i, (a, b) in enumerate(zip(grads, first[1])) if not torch.equal(a, b)]
             if bad or not torch.equal(loss, first[0]):
                 found.append({"update": calls[0], "replay": r + 1, "loss": [first[0].item(), loss.item()],

@@ -28,10 +28,11 @@ cross-entropy through theirs (layer_kernel="fused"); the flag `:eager` measures 
 instead, `:torch` the adapters' torch ops, `:torch-layers` the layers' torch ops, `:fused` QLoRA's
 products through the fused NF4 kernels (nf4_kernel="fused", no decoded weight), `:kept` each decoded
 weight kept from the forward for the backward (nf4_kernel="decoded_kept"), `:microN` N sequences a
-micro-batch (8 / N micro-batches an update; 8 by default), `:noclip` no clipping of the gradient
-norm (ours clips at 1.0 by default; the peer's loop never clips: with `:noclip` both sides do the
-same work), `:cudnn` attention through cuDNN's deterministic kernels (attention_kernel="cudnn"). The
-record holds both sides and their ratios.
+micro-batch (8 / N micro-batches an update; 8 by default), `:promptN` the first N positions of
+each sequence unscored, as a question's are (ours alone, with --no-peer), `:noclip` no clipping of
+the gradient norm (ours clips at 1.0 by default; the peer's loop never clips: with `:noclip` both
+sides do the same work), `:cudnn` attention through cuDNN's deterministic kernels
+(attention_kernel="cudnn"). The record holds both sides and their ratios.
 `--rounds R` measures both sides R times in one call, alternated (the peer before ours in odd
 rounds, after in even ones: the peer's figures move with the machine's host far more than
 ours), and each row reports each side's median round (of an even count the middle worse for ours:
@@ -98,23 +99,24 @@ def random_model(name: str, layers: int = 0) -> PretrainedModel:
     return PretrainedModel(source=source, weights=weights, device=device, budget=64 << 30)
 
 
-def data(vocab: int):
-    """8 random sequences of SEQ + 1 tokens, every position after the first scored, and a
-    one-example validation set (evaluated once per call, a negligible share of the time)."""
+def data(vocab: int, prompt: int = 0):
+    """8 random sequences of SEQ + 1 tokens, every position after the first `prompt` + 1 scored, and
+    a one-example validation set (evaluated once per call, a negligible share of the time)."""
     g = torch.Generator().manual_seed(1)
     rows = torch.randint(0, vocab, (BATCH + 1, SEQ + 1), generator=g).tolist()
-    items = tuple(Example(tuple(r), 1) for r in rows)
+    items = tuple(Example(tuple(r), 1 + prompt) for r in rows)
     tr = TrainingData("training", items[:BATCH], "random", SEQ + 1, "random")
     va = TrainingData("validation", items[BATCH:], "random", SEQ + 1, "random")
     return tr, va
 
 
 def parse(combo: str) -> tuple[str, str, dict]:
-    """'model:method[:eager][:torch][:torch-layers][:fused][:kept][:microN][:noclip][:cudnn]' -> (model, method,
-    profile choices besides the BF16 policy); microN is read by `micro_batch`, noclip by `clip_norm`."""
+    """'model:method[:eager][:torch][:torch-layers][:fused][:kept][:microN][:promptN][:noclip][:cudnn]' ->
+    (model, method, profile choices besides the BF16 policy); microN is read by `micro_batch`,
+    promptN by `prompt`, noclip by `clip_norm`."""
     model, method, *flags = combo.split(":")
-    assert {f for f in flags if not f.startswith("micro")} <= {"eager", "torch", "torch-layers", "fused", "kept",
-                                                                   "noclip", "cudnn"}, combo
+    assert {f for f in flags if not f.startswith(("micro", "prompt"))} <= {
+        "eager", "torch", "torch-layers", "fused", "kept", "noclip", "cudnn"}, combo
     choices = {"cuda_graphs": "eager" not in flags,
                "adapter_kernel": "torch" if "torch" in flags or method == "full" else "fused",
                "layer_kernel": "torch" if "torch-layers" in flags else "fused"}
@@ -130,6 +132,14 @@ def micro_batch(combo: str) -> int:
     the update then accumulates 8 / N micro-batches)."""
     sizes = [int(f[len("micro"):]) for f in combo.split(":")[2:] if f.startswith("micro")]
     return sizes[0] if sizes else BATCH
+
+
+def prompt(combo: str) -> int:
+    """Positions of each sequence that are not scored (flag promptN: the first N, as a question's
+    are; 0 by default). Ours only: the peer's loop makes every position's logits whatever its labels,
+    so a row with it is timed with --no-peer."""
+    sizes = [int(f[len("prompt"):]) for f in combo.split(":")[2:] if f.startswith("prompt")]
+    return sizes[0] if sizes else 0
 
 
 def clip_norm(combo: str) -> float:
@@ -155,7 +165,7 @@ def start(combo: str, updates: int):
     the random base released and the allocator's peak reset before the run's private copies."""
     model, method, choices = parse(combo)
     base = random_model(model)
-    tr, va = data(base.config().vocab_size)
+    tr, va = data(base.config().vocab_size, prompt(combo))
     src = select(base, method, choices)
     del base
     gc.collect()
@@ -301,6 +311,8 @@ def main():
                         "rounds": a.rounds},
               "rows": []}
     peer_combos = list(dict.fromkeys(map(pair, combos)))   # in order, once each
+    if not a.no_peer and any(map(prompt, combos)):
+        raise SystemExit("promptN times ours alone (the peer makes every position's logits): add --no-peer")
 
     def run_peer():
         return {} if a.no_peer else peer(peer_combos, out.with_name(out.stem + "-peer.json"), a.steps)

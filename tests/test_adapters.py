@@ -339,7 +339,7 @@ def test_lora_fa_training_preconditions_before_the_moments(base, data):
     leaves = {n: tensors[n].requires_grad_(True) for n in trainable_names(src)}
     model = build(base.config(), base._weights, src._method, tensors)
     examples = [tr.items[i] for i in window(TrainState(RunConfig(micro_batch=2, seed=3), "", ""), tr.examples())]
-    inputs, targets = batch(examples, "cpu")
+    inputs, targets, _ = batch(examples, "cpu")
     total = F.cross_entropy(model(inputs).flatten(0, 1), targets.flatten(), ignore_index=IGNORE, reduction="sum")
     (total / sum(e.scored for e in examples)).backward()
     assert set(tuned._state.moments) == set(leaves) == {f"{t}.lora_b" for t in src._method.config.targets}

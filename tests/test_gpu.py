@@ -374,7 +374,7 @@ def test_cuda_graphs_replay_the_eager_bits(tiny_path, data, tmp_path, monkeypatc
     replay, call = torch.cuda.CUDAGraph.replay, graphs.Graphed.__call__
     monkeypatch.setattr(torch.cuda.CUDAGraph, "replay", lambda g: replays.append(g) or replay(g))
     monkeypatch.setattr(graphs.Graphed, "__call__",
-                        lambda self, x, y, scale: shapes.append(tuple(x.shape)) or call(self, x, y, scale))
+                        lambda self, x, y, rows, scale: shapes.append(tuple(x.shape)) or call(self, x, y, rows, scale))
     monkeypatch.setattr(graphs, "MAX_SHAPES", 3)
     graphed = src.with_training_profile(**profile, cuda_graphs=True)
     two = graphed.fine_tune(tr, va, steps=2, **kw)
@@ -386,6 +386,23 @@ def test_cuda_graphs_replay_the_eager_bits(tiny_path, data, tmp_path, monkeypatc
     two.checkpoint(tmp_path / "ck")
     resumed = gen.load_pretrained_checkpoint(tmp_path / "ck", device=DEV).resume(tr, va, steps=2)
     assert resumed.training_profile()["cuda_graphs"] and tensors_equal(four, resumed)
+
+
+@pytest.mark.parametrize("storage,method,kernel", [("nf4_double_quant", "lora", "decoded_kept+fused+fused"),
+                                                   ("float32", "full", "host_tiled+torch+fused")])
+def test_cuda_graphs_replay_the_eager_bits_where_the_head_reads_some_rows(tiny_path, data, storage, method, kernel):
+    """Micro-batches of 4 at up to 64 positions: the head reads the scored rows padded to 128 of
+    up to 252 (`loss.batch`), in the recorded graphs as in the eager run, whose bits they give."""
+    from aner.train.loss import batch
+    tr, va = data
+    assert len(batch(tr.items[:4], DEV)[2]) == 128
+    src = select(gen.import_model(tiny_path, device=DEV), storage, method)
+    nf4, adapter, layer = kernel.split("+")
+    profile = dict(precision="bfloat16", nf4_kernel=nf4, adapter_kernel=adapter, layer_kernel=layer)
+    kw = dict(steps=3, micro_batch=4, rate=1e-3, seed=5)
+    eager = src.with_training_profile(**profile).fine_tune(tr, va, **kw)
+    graphed = src.with_training_profile(**profile, cuda_graphs=True).fine_tune(tr, va, **kw)
+    assert tensors_equal(eager, graphed) and eager._state.losses == graphed._state.losses
 
 
 FUSED_RUN = dict(steps=3, micro_batch=2, rate=1e-3, seed=5)

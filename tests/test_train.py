@@ -197,11 +197,18 @@ def test_admission_refuses_training_over_budget(tiny, data):
 
 @pytest.mark.parametrize("select", ["full", "lora"])
 def test_activation_estimate_covers_what_backward_keeps(base, data, select):
-    """The admission's estimate of what backward keeps is at least what autograd really saves."""
+    """The admission's estimate of what backward keeps is at least what autograd really saves, and
+    within 4x of it once its loss chunk, made for every position, is taken at the scored ones the
+    head reads."""
+    from aner.train.memory import loss_chunk_bytes
     src = base if select == "full" else base.lora(targets=list(ALIASES), rank=4)
     _, kept = train_counting_saved(src, data, micro_batch=4)
-    estimate = src._kept_bytes(4, max(len(e.tokens) for e in data[0].items))
-    assert kept <= estimate < 4 * kept
+    items, config = data[0].items, base.config()
+    estimate = src._kept_bytes(4, max(len(e.tokens) for e in items))
+    scored = sorted(e.scored for e in items)[-4:]
+    read = estimate - loss_chunk_bytes(config, 4 * max(len(e.tokens) for e in items)) + \
+        loss_chunk_bytes(config, sum(scored))
+    assert kept <= estimate and read < 4 * kept
 
 
 def test_resume_refusals(base, data, tmp_path):
@@ -409,7 +416,8 @@ def test_clipping_divides_by_the_float64_global_norm_inside_adamw():
 @pytest.mark.parametrize("tied", [True, False])
 def test_chunked_head_loss_equals_whole_logits(tiny_factory, data, monkeypatch, tied):
     """The loss and every gradient (the head's, tied to the embedding or its own) agree with
-    autograd over the whole micro-batch's logits, with chunks of 7 positions."""
+    autograd over the whole micro-batch's logits, where the head reads the scored positions
+    alone, in chunks of 7."""
     import torch.nn.functional as F
     from aner.model.build import build
     from aner.train import loss as L
@@ -423,19 +431,33 @@ def test_chunked_head_loss_equals_whole_logits(tiny_factory, data, monkeypatch, 
     examples = list(tr.items[:3])
     monkeypatch.setattr(L, "CHUNK_BYTES", 4 * base.config().vocab_size * 7)
     assert L.chunk_positions(base.config().vocab_size) == 7
-    inputs, targets = L.batch(examples, "cpu")
-    loss, grads = L.gradients(model, list(weights.values()), Profile(), inputs, targets, torch.tensor(0.125))
+    inputs, targets, rows = L.batch(examples, "cpu")
+    assert rows is not None and len(rows) == int((targets != L.IGNORE).sum()) < targets.numel()
+    loss, grads = L.gradients(model, list(weights.values()), Profile(), inputs, targets, rows, torch.tensor(0.125))
     got = dict(zip(weights, grads))
     whole = F.cross_entropy(model(inputs).flatten(0, 1), targets.flatten(), ignore_index=L.IGNORE, reduction="sum")
     (whole * 0.125).backward()
     whole = float(whole.detach())
     assert float(loss) == pytest.approx(whole, rel=1e-6)
     assert float(L.summed_loss(model, examples, "cpu", Profile())) == pytest.approx(whole, rel=1e-6)
-    assert inputs.shape[0] * inputs.shape[1] > 10 * 7           # many chunks, padding included
+    assert len(rows) > 4 * 7                                    # several chunks
     for n, w in weights.items():
         # the head's weight gradient sums over positions chunk by chunk: another FP32 order
         torch.testing.assert_close(got[n], w.grad, rtol=1e-5, atol=1e-5 * float(w.grad.abs().max()), msg=n)
         assert got[n].abs().max() > 0, n
+
+
+def test_scored_rows_pad_to_a_multiple_with_the_first_unscored():
+    """The head's rows: the scored positions, then (to a multiple) the first unscored ones, in
+    ascending order; None where that is every position (the hidden states are read in place)."""
+    from aner.train.loss import IGNORE, scored_rows
+    t = torch.tensor([IGNORE, IGNORE, 5, IGNORE, 7, 8, IGNORE, IGNORE])
+    assert scored_rows(t, 1).tolist() == [2, 4, 5]
+    assert scored_rows(t, 4).tolist() == [0, 2, 4, 5]
+    assert scored_rows(t, 5).tolist() == [0, 1, 2, 4, 5]
+    assert scored_rows(t, 8) is None and scored_rows(t, 128) is None
+    assert scored_rows(torch.tensor([1, 2, 3]), 1) is None
+    assert scored_rows(torch.full((4,), IGNORE), 1).tolist() == []
 
 
 def test_chunk_positions_are_whole_tiles_within_the_bytes():

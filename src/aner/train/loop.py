@@ -200,8 +200,8 @@ def _run(model, params, trainable, method, training, validation, state, steps, d
             # The window's loss sums in float64 on the device; the host reads it once the update
             # is queued (FP16 checks each micro-batch before its overflow test reads the gradients).
             window_loss, total = torch.zeros((), dtype=torch.float64, device=device), None
-            for inputs, targets in micro_batches:
-                loss, grads = step(inputs, targets, grad_scale)
+            for inputs, targets, rows in micro_batches:
+                loss, grads = step(inputs, targets, rows, grad_scale)
                 window_loss += loss
                 if fp16:
                     _check_finite(float(window_loss), state.updates + 1)

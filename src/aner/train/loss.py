@@ -10,11 +10,19 @@ times the incoming gradient (exactly 1.0 in `gradients`, so they pass unchanged)
 `scale` (a 0-dim FP32 tensor on the device) is what the loop backpropagates from: 1 / (the
 window's scored tokens), or the FP16 loss scale, which therefore reaches the head's
 low-precision backward as before. As a tensor it can change between replays of a recorded CUDA
-graph (`graphs.py`). Unscored positions carry the ignore index: their terms and gradients are
-exactly zero, with no host synchronisation and no gather. Chunk boundaries depend only on the
-model's shape, whether its head is trained and the profile, so results are a pure function of
-the inputs. With layer_kernel="fused" one kernel makes a chunk's loss and its logits' gradient,
-which overwrites the logits in their own dtype: no FP32 copy exists, and a chunk holds twice the
+graph (`graphs.py`).
+
+The head reads only the positions that are scored: the host knows them (it makes the targets),
+so `batch` hands over their rows of the flattened hidden states, with no synchronisation; a
+question/answer example scores its answer alone, and its prompt's logits are never made. On a
+GPU the rows are padded with unscored positions (their terms and gradients exactly zero) to a
+multiple of CHUNK_ROWS, so that a recorded graph serves every batch of its shape and padded
+count; where that is every position, the hidden states are read in place. Chunk boundaries
+depend only on the model's shape, whether its head is trained and the profile, so results are a
+pure function of the inputs.
+
+With layer_kernel="fused" one kernel makes a chunk's loss and its logits' gradient, which
+overwrites the logits in their own dtype: no FP32 copy exists, and a chunk holds twice the
 positions under FP16/BF16 (and a trained head's chunk as many bytes as each later chunk's
 product reads and writes of its FP32 weight gradient).
 """
@@ -60,7 +68,8 @@ def _chunk_head(head, profile):
 
 
 def batch(examples, device):
-    """Right-padded tokens and next-token targets (unscored: IGNORE). Each (B, T-1)."""
+    """Right-padded tokens and next-token targets (unscored: IGNORE), each (B, T-1), and the rows
+    of their flattened positions that the head reads (`scored_rows`), or None for all of them."""
     T = max(len(e.tokens) for e in examples)
     tokens = torch.zeros(len(examples), T, dtype=torch.long)
     targets = torch.full((len(examples), T), IGNORE, dtype=torch.long)
@@ -68,7 +77,22 @@ def batch(examples, device):
         tokens[i, :len(e.tokens)] = torch.frombuffer(array("q", e.tokens), dtype=torch.long)  # 4x torch.tensor's speed
         targets[i, e.prompt_len:len(e.tokens)] = tokens[i, e.prompt_len:len(e.tokens)]
     # position t predicts token t+1; causal attention keeps padding (at the end) out of real positions
-    return _to(tokens[:, :-1], device), _to(targets[:, 1:], device)
+    targets = targets[:, 1:]
+    rows = scored_rows(targets.flatten(), CHUNK_ROWS if torch.device(device).type == "cuda" else 1)
+    return _to(tokens[:, :-1], device), _to(targets, device), None if rows is None else _to(rows, device)
+
+
+def scored_rows(targets: torch.Tensor, multiple: int) -> torch.Tensor | None:
+    """The positions of `targets` (flat, on the host) that are scored and, to make their count a
+    multiple of `multiple`, the first unscored ones, in ascending order; None where that is every
+    position."""
+    scored = targets != IGNORE
+    n = int(scored.sum())
+    keep = -(-n // multiple) * multiple
+    if keep >= targets.numel():
+        return None
+    scored[(~scored).nonzero()[:keep - n, 0]] = True
+    return scored.nonzero()[:, 0]
 
 
 def _to(t, device):
@@ -93,10 +117,10 @@ def _trainable(head) -> list[torch.Tensor]:
 @torch.no_grad()
 def summed_loss(model, examples, device, profile) -> torch.Tensor:
     """Sum of FP32 cross-entropy over the scored tokens of `examples` (no gradients)."""
-    inputs, targets = batch(examples, device)
+    inputs, targets, rows = batch(examples, device)
     with profile.autocast(device):
-        h = model.hidden(inputs).flatten(0, 1)                # (N, D), FP32
-        targets, head = targets.flatten(), _chunk_head(model.head(), profile)
+        h, targets = _scored(model.hidden(inputs).flatten(0, 1), targets.flatten(), rows)   # FP32 rows
+        head = _chunk_head(model.head(), profile)
         step = chunk_positions(model.config.vocab_size)
         total = torch.zeros((), device=h.device)
         for s in range(0, h.shape[0], step):
@@ -104,26 +128,34 @@ def summed_loss(model, examples, device, profile) -> torch.Tensor:
     return total
 
 
-def gradients(model, leaves: list, profile, inputs, targets, scale: torch.Tensor):
-    """One micro-batch (inputs, targets) from `batch`: (loss, grads), the FP32 summed cross-entropy
-    (detached) and the gradients of scale x loss with respect to `leaves`, in their order."""
+def _scored(h, targets, rows):
+    """The hidden states and targets of the positions the head reads: `rows` of them (a gather,
+    whose gradient scatters back: the other positions' is exactly zero), or all."""
+    return (h, targets) if rows is None else (h.index_select(0, rows), targets.index_select(0, rows))
+
+
+def gradients(model, leaves: list, profile, inputs, targets, rows, scale: torch.Tensor):
+    """One micro-batch (inputs, targets, rows) from `batch`: (loss, grads), the FP32 summed
+    cross-entropy (detached) and the gradients of scale x loss with respect to `leaves`, in their
+    order."""
     head, fused = model.head(), profile.layer_kernel == "fused"
     weights = _trainable(head)
     # A trained head tied to the embedding: the rows looked up are a leaf of their own, and their
     # gradient is added into the head's below, row by row, instead of a dense (V, D) gradient of
     # the table that is then added to the head's whole.
     tied = bool(weights) and head is model.tok_embd
-    rows = model.tok_embd.lookup(inputs).float().detach().requires_grad_(True) if tied else None
+    looked_up = model.tok_embd.lookup(inputs).float().detach().requires_grad_(True) if tied else None
     with profile.autocast(inputs.device.type):
-        h = model.hidden(inputs, rows).flatten(0, 1)          # (N, D), FP32 (the operand dtype: fused norm)
+        h = model.hidden(inputs, looked_up).flatten(0, 1)     # (N, D), FP32 (the operand dtype: fused norm)
+        h, targets = _scored(h, targets.flatten(), rows)
         itemsize = profile.compute_dtype.itemsize if fused else 4
         step = chunk_positions(model.config.vocab_size, itemsize, model.config.dim if fused and weights else 0)
-        objective, loss, *head_grads = _HeadLoss.apply(h, targets.flatten(), _chunk_head(head, profile), step,
-                                                       scale, fused, weights)
+        objective, loss, *head_grads = _HeadLoss.apply(h, targets, _chunk_head(head, profile), step, scale, fused,
+                                                       weights)
     # The head's gradients join their leaves here: unused elsewhere, or a tied embedding's.
-    grads = list(torch.autograd.grad(objective, leaves + ([rows] if rows is not None else []),
+    grads = list(torch.autograd.grad(objective, leaves + ([looked_up] if tied else []),
                                      allow_unused=bool(weights)))
-    if rows is not None:
+    if tied:
         head_grads[0].index_put_((inputs.flatten(),), grads.pop().flatten(0, 1), accumulate=True)
     for w, gw in zip(weights, head_grads):
         i = next(i for i, leaf in enumerate(leaves) if leaf is w)

@@ -108,7 +108,8 @@ def loss_chunk_bytes(config, positions: int, itemsize: int = 4, fused_layers: bo
                      trained_head: bool = False) -> int:
     """The loss's transient logits (train/loss.py): one chunk of FP32 logits over the vocabulary
     with its softmax and gradient, or the fused loss's larger chunk for a trained head in the
-    operand dtype where that is more."""
+    operand dtype where that is more; as though every one of `positions` were scored (the head
+    reads the scored ones alone: at most as many)."""
     from .loss import chunk_positions
     c = config
     logits = 4 * 3 * min(positions, chunk_positions(c.vocab_size)) * c.vocab_size
