@@ -6,10 +6,10 @@ model the GPU waits for the host. A graph records those launches once per micro-
 (B, T) and count of rows the head reads (`loss.batch`: a multiple of 128, or all) and replays
 them with one call: the same kernels with the same arguments in the same order, so a replay gives
 the bits of the eager pass it recorded. Inputs are copied into the graph's own tensors before a
-replay. Outputs: the loss is the graph's tensor; the gradients are
-the first recorded shape's own gradient tensors, into which every later shape's graph copies its
-gradients (exactly): one set for the run, as eager holds. Both are overwritten by the next replay
-of any recorded shape, so the caller consumes them first.
+replay. Outputs: the loss is the graph's tensor; the gradients are the first recorded shape's own
+gradient tensors, into which every later shape's graph copies its gradients (exactly): one set
+for the run, as eager holds. Both are overwritten by the next replay of any recorded shape, so
+the caller consumes them first.
 
 Recording a shape costs one eager warm-up pass (it compiles kernels and creates library handles
 outside the recording) and the recording itself. Every graph of a run allocates its activations
