@@ -130,8 +130,9 @@ def summed_loss(model, examples, device, profile) -> torch.Tensor:
 
 def _scored(h, targets, rows):
     """The hidden states and targets of the positions the head reads: `rows` of them (a gather,
-    whose gradient scatters back: the other positions' is exactly zero), or all."""
-    return (h, targets) if rows is None else (h.index_select(0, rows), targets.index_select(0, rows))
+    whose gradient scatters back by `index_put_`, as a tied head's rows do, the other positions'
+    exactly zero), or all."""
+    return (h, targets) if rows is None else (h[rows], targets[rows])
 
 
 def gradients(model, leaves: list, profile, inputs, targets, rows, scale: torch.Tensor):
