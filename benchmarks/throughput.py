@@ -127,19 +127,23 @@ def parse(combo: str) -> tuple[str, str, dict]:
     return model, method, choices
 
 
+def _number(combo: str, flag: str, default: int) -> int:
+    """N of `combo`'s flag `flag`N, or `default` without one."""
+    found = [int(f[len(flag):]) for f in combo.split(":")[2:] if f.startswith(flag)]
+    return found[0] if found else default
+
+
 def micro_batch(combo: str) -> int:
     """The micro-batch of `combo`: the whole batch of 8 sequences, or N of them (flag microN,
     the update then accumulates 8 / N micro-batches)."""
-    sizes = [int(f[len("micro"):]) for f in combo.split(":")[2:] if f.startswith("micro")]
-    return sizes[0] if sizes else BATCH
+    return _number(combo, "micro", BATCH)
 
 
 def prompt(combo: str) -> int:
     """Positions of each sequence that are not scored (flag promptN: the first N, as a question's
     are; 0 by default). Ours only: the peer's loop makes every position's logits whatever its labels,
     so a row with it is timed with --no-peer."""
-    sizes = [int(f[len("prompt"):]) for f in combo.split(":")[2:] if f.startswith("prompt")]
-    return sizes[0] if sizes else 0
+    return _number(combo, "prompt", 0)
 
 
 def clip_norm(combo: str) -> float:

@@ -204,10 +204,10 @@ def test_activation_estimate_covers_what_backward_keeps(base, data, select):
     src = base if select == "full" else base.lora(targets=list(ALIASES), rank=4)
     _, kept = train_counting_saved(src, data, micro_batch=4)
     items, config = data[0].items, base.config()
-    estimate = src._kept_bytes(4, max(len(e.tokens) for e in items))
+    tokens = max(len(e.tokens) for e in items)
+    estimate = src._kept_bytes(4, tokens)
     scored = sorted(e.scored for e in items)[-4:]
-    read = estimate - loss_chunk_bytes(config, 4 * max(len(e.tokens) for e in items)) + \
-        loss_chunk_bytes(config, sum(scored))
+    read = estimate - loss_chunk_bytes(config, 4 * tokens) + loss_chunk_bytes(config, sum(scored))
     assert kept <= estimate and read < 4 * kept
 
 
