@@ -24,13 +24,12 @@ import sys
 import torch
 import triton
 import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
-
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from joint_gemms import timed
 from aner.kernels.layer import _swiglu_launch
@@ -111,7 +110,7 @@ def _g_loads(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, F, K, FORWARD: gl.
 
 @gluon.jit
 def _g_multiply(a_bufs, b_bufs, s_bufs, ready, empty, s_ready, s_empty, M, F, K, FORWARD: gl.constexpr,
-                GROUP: gl.constexpr, ROW0: gl.constexpr):
+                ROW0: gl.constexpr):
     """A warpgroup: rows ROW0 .. ROW0 + 63 of each tile, one step's MMAs left in flight; its
     products rounded to BF16 into the staging buffers (forward: gate's and up's), for the epilogue
     warps, so that the next tile's MMAs start at once."""
@@ -271,8 +270,8 @@ def _g_kernel(a_desc, b_desc, y_desc, o_desc, out, out_rows, M, F, K, FORWARD: g
     mbarrier.init(s_empty.index(0), count=1)
     mbarrier.init(e_ready.index(0), count=1)
     gl.warp_specialize([
-        (_g_multiply, (a_bufs, b_bufs, s_bufs, ready, empty, s_ready, s_empty, M, F, K, FORWARD, GROUP, 0)),
-        (_g_multiply, (a_bufs, b_bufs, s_bufs, ready, empty, s_ready, s_empty, M, F, K, FORWARD, GROUP, 64)),
+        (_g_multiply, (a_bufs, b_bufs, s_bufs, ready, empty, s_ready, s_empty, M, F, K, FORWARD, 0)),
+        (_g_multiply, (a_bufs, b_bufs, s_bufs, ready, empty, s_ready, s_empty, M, F, K, FORWARD, 64)),
         (_g_loads, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, F, K, FORWARD, GROUP)),
         (_g_epilogue, (s_bufs, e_bufs, s_ready, s_empty, e_ready, y_desc, o_desc, out, out_rows, M, F, FORWARD,
                        SWIGLU, GROUP)),
