@@ -42,7 +42,8 @@
 #   head        benchmarks/head_chunks.py (the head's products over 8 x 1024 positions, a chunk at a time,
 #               at several chunk sizes)                               -> <date>-h200-head-chunks.json
 #   epilogue    benchmarks/mlp_epilogue.py (SwiGLU in a Gluon GEMM's epilogue against cuBLAS's GEMM and the SwiGLU
-#               kernel, forward and backward, at Llama-3.2-1B's MLP; Triton's GEMMs beside them) -> <date>-h200-mlp-epilogue.json
+#               kernel, forward and backward, at the MLP of each of MODELS, default llama-3.2-1b, also llama-3.1-8b;
+#               Triton's GEMMs beside them)                           -> <date>-h200-mlp-epilogue-<model>.json
 #   joint       benchmarks/joint_gemms.py (a group's projections as one GEMM against one a weight) -> <date>-h200-joint-gemms.json
 #   overlap     benchmarks/overlap.py (AdamW and the clipping norm's squares on a second stream beside
 #               the GEMMs: whether they hide)                         -> <date>-h200-overlap.json
@@ -135,8 +136,11 @@ for stage in "$@"; do
               | tee "$OUT/joined-delta.log" ;;
     head) python3 benchmarks/head_chunks.py "$OUT/$day-h200-head-chunks.json" 2>&1 | tee "$OUT/head-chunks.log" ;;
     epilogue) export PYTHONPATH=$PYTHONPATH:$PWD/benchmarks    # small shapes first, under a limit: a kernel that hangs stops there
-              timeout 120 python3 benchmarks/mlp_epilogue.py /tmp/smoke.json --smoke 2>&1 | tee "$OUT/mlp-epilogue-smoke.log" &&
-                python3 benchmarks/mlp_epilogue.py "$OUT/$day-h200-mlp-epilogue.json" 2>&1 | tee "$OUT/mlp-epilogue.log" ;;
+              timeout 120 python3 benchmarks/mlp_epilogue.py /tmp/smoke.json smoke 2>&1 | tee "$OUT/mlp-epilogue-smoke.log" &&
+                for model in ${MODELS:-llama-3.2-1b}; do
+                  python3 benchmarks/mlp_epilogue.py "$OUT/$day-h200-mlp-epilogue-$model.json" $model 2>&1 \
+                    | tee "$OUT/mlp-epilogue-$model.log"
+                done ;;
     joint) python3 benchmarks/joint_gemms.py "$OUT/$day-h200-joint-gemms.json" 2>&1 | tee "$OUT/joint-gemms.log" ;;
     lora) python3 benchmarks/lora_kernels.py "$OUT/$day-h200-lora-kernels.json" ${LORA:-} 2>&1 | tee "$OUT/lora-kernels.log" | tail -n 60 ;;
     overlap) python3 benchmarks/overlap.py "$OUT/$day-h200-overlap.json" 2>&1 \

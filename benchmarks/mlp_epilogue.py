@@ -1,6 +1,6 @@
 """SwiGLU inside the MLP's GEMMs, at Llama-3.2-1B's shapes (8 x 1024 tokens, hidden 2048 and 48
-columns of an adapter's joined BF16 parts, intermediate 8192): can a GEMM whose epilogue applies
-SwiGLU beat cuBLAS's GEMM followed by the package's SwiGLU kernel?
+columns of an adapter's joined BF16 parts, intermediate 8192) or Llama-3.1-8B's (4096, 14336): can
+a GEMM whose epilogue applies SwiGLU beat cuBLAS's GEMM followed by the package's SwiGLU kernel?
 
     forward   y = [x | u] @ [W_gate; W_up]^T  (M, 2F), h = silu(gate) * up
     backward  dh = [g | du] @ [W_down | A]    (M, F), dgate, dup from dh, gate and up
@@ -16,7 +16,8 @@ they load themselves). Every product is checked against cuBLAS's (the largest di
 same bits) and every SwiGLU against the package's kernel over the same inputs. GPU time of
 back-to-back calls under CUDA graphs, the variants in turn (`joint_gemms.timed`).
 
-    python benchmarks/mlp_epilogue.py OUT.json [--smoke]     (--smoke: small shapes, the checks alone)
+    python benchmarks/mlp_epilogue.py OUT.json [llama-3.2-1b | llama-3.1-8b | smoke]
+                                          (smoke: small shapes, the checks alone)
 """
 import json
 import sys
@@ -341,16 +342,21 @@ GLUON_FORWARD = [(128, 6, 32)]
 GLUON_BACKWARD = [(128, 4, 64)]
 
 
-def main(path, smoke=False):
+SHAPES = {"llama-3.2-1b": (8192, 2048, 8192, 48), "llama-3.1-8b": (8192, 4096, 14336, 48),
+          "smoke": (1024, 512, 1024, 48)}       # (tokens, hidden, intermediate, joined columns)
+
+
+def main(path, shape="llama-3.2-1b"):
     torch.manual_seed(0)
-    M, D, F, J = (1024, 512, 1024, 48) if smoke else (8192, 2048, 8192, 48)
+    M, D, F, J = SHAPES[shape]
+    smoke = shape == "smoke"
     dev, bf = "cuda", torch.bfloat16
     x = torch.randn(M, D + J, device=dev, dtype=bf)
     w = torch.randn(2 * F, D + J, device=dev, dtype=bf) * 0.02
     gd = torch.randn(M, D + J, device=dev, dtype=bf) * 0.01
     wd = torch.randn(D + J, F, device=dev, dtype=bf) * 0.02
     out = {"device": torch.cuda.get_device_name(), "triton": triton.__version__, "torch": torch.__version__,
-           "shapes": dict(M=M, D=D, F=F, joined=J)}
+           "model": shape, "shapes": dict(M=M, D=D, F=F, joined=J)}
 
     # The separate path: cuBLAS, then the package's SwiGLU kernel.
     y_ref, h_ref = torch.empty(M, 2 * F, device=dev, dtype=bf), torch.empty(M, F, device=dev, dtype=bf)
@@ -427,4 +433,4 @@ def main(path, smoke=False):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], "--smoke" in sys.argv[2:])
+    main(*sys.argv[1:3])
