@@ -172,7 +172,8 @@ def _g_epilogue(s_bufs, e_bufs, s_ready, s_empty, e_ready, y_desc, o_desc, out, 
     has read it, stored into o. Backward: SWIGLU 0 stores dh into o; 1 and 3 make dgate and dup
     from it and the tile's gate and up (loaded here, the next tile's as soon as these are free) and
     write them at o's columns j and F + j: 1 over gate's and up's buffers, stored by TMA, 3 from
-    registers (out, rows out_rows apart); 2 (timing only) stores gate and up back unchanged."""
+    registers (out, rows out_rows apart; whole tiles only, as the probe's shapes are); 2 (timing
+    only) stores gate and up back unchanged."""
     BM: gl.constexpr = s_bufs.type.shape[1]
     BN: gl.constexpr = s_bufs.type.shape[2]
     W: gl.constexpr = gl.num_warps()
