@@ -34,6 +34,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from joint_gemms import timed
 from aner.kernels.layer import _swiglu_launch
+from aner.kernels.nf4 import MULTIPROCESSORS
 from aner.kernels.nf4_ws import _tile, layout
 
 
@@ -289,7 +290,7 @@ def gluon_forward(x, w, y, h, swiglu, bn=128, stages=6, bk=32, group=8):
     b_desc = GluonDescriptor.from_tensor(w, [bn, bk], layout((bn, bk), bf))
     y_desc = GluonDescriptor.from_tensor(y, [128, bn], layout((128, bn), bf))
     o_desc = GluonDescriptor.from_tensor(h, [128, bn], layout((128, bn), bf))
-    grid = (min(programs(), triton.cdiv(M, 128) * triton.cdiv(F, bn)),)
+    grid = (min(MULTIPROCESSORS, triton.cdiv(M, 128) * triton.cdiv(F, bn)),)
     return lambda: _g_kernel[grid](a_desc, b_desc, y_desc, o_desc, h, h.stride(0), M, F, K, FORWARD=True,
                                    SWIGLU=swiglu, GROUP=group, S=stages, num_warps=4, maxnreg=128)
 
@@ -304,13 +305,9 @@ def gluon_backward(g, w, dh, y, d, swiglu, bn=128, stages=4, bk=64, group=8):
     y_desc = GluonDescriptor.from_tensor(y, [128, bn], layout((128, bn), bf))
     out = d if swiglu else dh
     o_desc = GluonDescriptor.from_tensor(out, [128, bn], layout((128, bn), bf))
-    grid = (min(programs(), triton.cdiv(M, 128) * triton.cdiv(F, bn)),)
+    grid = (min(MULTIPROCESSORS, triton.cdiv(M, 128) * triton.cdiv(F, bn)),)
     return lambda: _g_kernel[grid](a_desc, b_desc, y_desc, o_desc, out, out.stride(0), M, F, K, FORWARD=False,
                                    SWIGLU=swiglu, GROUP=group, S=stages, num_warps=4, maxnreg=128)
-
-
-def programs() -> int:
-    return torch.cuda.get_device_properties(0).multi_processor_count
 
 
 def triton_forward(x, w, y, bm, bn, bk, stages, warps):
@@ -319,7 +316,7 @@ def triton_forward(x, w, y, bm, bn, bk, stages, warps):
     F = w.shape[0] // 2
     descs = (TensorDescriptor.from_tensor(x, [bm, bk]), TensorDescriptor.from_tensor(w, [bn, bk]),
              TensorDescriptor.from_tensor(y, [bm, bn]))
-    grid = (min(programs(), triton.cdiv(M, bm) * triton.cdiv(F, bn)),)
+    grid = (min(MULTIPROCESSORS, triton.cdiv(M, bm) * triton.cdiv(F, bn)),)
     return lambda: _forward_kernel[grid](*descs, M, F, K, BM=bm, BN=bn, BK=bk, STAGES=stages, num_warps=warps)
 
 
@@ -330,7 +327,7 @@ def triton_backward(g, w, dh, bm, bn, bk, stages, warps, persistent, ws):
     descs = (TensorDescriptor.from_tensor(g, [bm, bk]), TensorDescriptor.from_tensor(w, [bk, bn]),
              TensorDescriptor.from_tensor(dh, [bm, bn]))
     tiles = triton.cdiv(M, bm) * triton.cdiv(F, bn)
-    grid = (min(programs(), tiles) if persistent else tiles,)
+    grid = (min(MULTIPROCESSORS, tiles) if persistent else tiles,)
     return lambda: _backward_kernel[grid](*descs, M, F, K, BM=bm, BN=bn, BK=bk, STAGES=stages, WS=bool(ws),
                                           num_warps=warps)
 
