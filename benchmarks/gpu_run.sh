@@ -41,9 +41,9 @@
 #               parts and a plain read)                               -> <date>-h200-adapter-bandwidth.json
 #   head        benchmarks/head_chunks.py (the head's products over 8 x 1024 positions, a chunk at a time,
 #               at several chunk sizes)                               -> <date>-h200-head-chunks.json
-#   epilogue    benchmarks/mlp_epilogue.py (SwiGLU in a Gluon GEMM's epilogue against cuBLAS's GEMM and the SwiGLU
-#               kernel, forward and backward, at the MLP of each of MODELS, default llama-3.2-1b, also llama-3.1-8b;
-#               Triton's GEMMs beside them)                           -> <date>-h200-mlp-epilogue-<model>.json
+#   epilogue    benchmarks/mlp_epilogue.py (the SwiGLU inside the MLP's GEMMs against cuBLAS's GEMMs and the SwiGLU
+#               kernel apart, forward and backward, at QLoRA's MLP of each of MODELS, default llama-3.2-1b, also
+#               llama-3.1-8b)                                         -> <date>-h200-mlp-epilogue-<model>.json
 #   joint       benchmarks/joint_gemms.py (a group's projections as one GEMM against one a weight) -> <date>-h200-joint-gemms.json
 #   overlap     benchmarks/overlap.py (AdamW and the clipping norm's squares on a second stream beside
 #               the GEMMs: whether they hide)                         -> <date>-h200-overlap.json

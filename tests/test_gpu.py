@@ -309,7 +309,8 @@ def test_joined_deltas_train_as_the_deltas_added(tiny_factory, data, monkeypatch
     BF16, rank 8 on all seven projections), on a model whose gate and up are twice x's width:
     their deltas join the decoded products (`kernels.lora._joined`), the others' do not; down's
     input is twice its output's width: du @ A joins its input gradient (`kernels.lora._joined_grad`),
-    no other's does; the kept decodes are counted 3 r columns or rows more along their longer side.
+    no other's does; the kept decodes are counted 3 r columns or rows more along their longer side
+    (gate's and up's 6 r: paired, `kernels.lora.gated_mlp`).
     The losses are those of a floating base holding the decoded weights, where every delta is
     added, to 1e-3; recorded graphs give the eager bits, and resume is exact."""
     from aner.kernels import lora
@@ -336,7 +337,8 @@ def test_joined_deltas_train_as_the_deltas_added(tiny_factory, data, monkeypatch
     monkeypatch.setattr(lora, "_joined_grad", spy_grad)
     src = packed.with_training_profile(nf4_kernel="decoded_kept", **profile).lora(**lora_kw)
     plain = packed.with_training_profile(nf4_kernel="decoded_kept", **profile).memory_summary()
-    longer = sum(max(packed._weights[n].shape) for n in src._method.config.targets)
+    longer = sum(max(packed._weights[n].shape) * (2 if ".ffn_gate." in n or ".ffn_up." in n else 1)
+                 for n in src._method.config.targets)
     assert src.memory_summary().dequant_tile_bytes == plain.dequant_tile_bytes + longer * 3 * 8 * 2
     eager = src.fine_tune(tr, va, steps=4, **kw)
     assert set(joins) == {(3, False), (2, True), (1, False)}     # q, k, v; gate, up; o and down
@@ -346,6 +348,42 @@ def test_joined_deltas_train_as_the_deltas_added(tiny_factory, data, monkeypatch
     graphed = src.with_training_profile(nf4_kernel="decoded_kept", cuda_graphs=True, **profile)
     four = graphed.fine_tune(tr, va, steps=2, **kw).resume(tr, va, steps=2)
     assert tensors_equal(eager, four) and eager._state.losses == four._state.losses
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
+                    reason="Hopper GPU only (the Gluon kernels)")
+def test_swiglu_inside_the_gemms_trains_as_made_apart(tiny_factory, data, monkeypatch):
+    """QLoRA as the throughput rows run it, rank 16 on all seven projections: gate's and up's
+    product makes h in its kernel and down's input gradient gives theirs (`kernels.lora.gated_mlp`,
+    each layer once a micro-batch each way); recorded graphs give the eager bits; the first loss
+    has the bits of the projections and the SwiGLU made apart (the forward's outputs are theirs),
+    the next ones are theirs to 1e-3 (gate's and up's input gradient is one GEMM over the pair,
+    rounded once, where apart it is a chain of two, rounded after each); without down adapted the
+    MLP is made apart."""
+    from aner.adapters.lora import LoRALinear
+    from aner.kernels import mlp
+    tr, va = data
+    path = tiny_factory(Shape(tied=False, n_layer=2, dim=64, n_head=4, n_kv_head=2, ffn_dim=128))
+    packed = gen.import_model(path, device=DEV).nf4()
+    profile = dict(precision="bfloat16", adapter_kernel="fused", layer_kernel="fused", nf4_kernel="decoded_kept")
+    kw = dict(micro_batch=2, rate=1e-3, seed=4)
+    calls, forward, backward = [], mlp.gated_forward, mlp.gated_backward
+    monkeypatch.setattr(mlp, "gated_forward", lambda *a, **k: calls.append("forward") or forward(*a, **k))
+    monkeypatch.setattr(mlp, "gated_backward", lambda *a: calls.append("backward") or backward(*a))
+    src = packed.with_training_profile(**profile).lora(rank=16, seed=1, targets=list(ALIASES))
+    gated = src.fine_tune(tr, va, steps=2, **kw)
+    assert calls.count("forward") >= 4 and calls.count("backward") == 4     # 2 layers x 2 updates; validation too
+    graphed = src.with_training_profile(cuda_graphs=True, **profile).fine_tune(tr, va, steps=2, **kw)
+    calls.clear()
+    no_down = [t for t in ALIASES if t != "mlp.down_proj"]
+    packed.with_training_profile(**profile).lora(rank=16, seed=1, targets=no_down).fine_tune(tr, va, steps=1, **kw)
+    assert not calls
+    monkeypatch.setattr(LoRALinear, "gated_mlp", staticmethod(lambda *args: None))
+    apart = src.fine_tune(tr, va, steps=2, **kw)
+    assert not calls
+    assert graphed._state.losses == gated._state.losses and tensors_equal(graphed, gated)
+    assert apart._state.losses[0] == gated._state.losses[0]
+    assert np.allclose(apart._state.losses, gated._state.losses, rtol=1e-3, atol=0)
 
 
 @pytest.mark.parametrize("storage,method,kernel,precision", [

@@ -272,6 +272,46 @@ def test_swiglu_of_one_product_lays_its_gradients_side_by_side(F):
     assert side_by_side(grads, 2) is not None
 
 
+HOPPER = not INTERPRET and torch.cuda.get_device_capability()[0] == 9
+
+
+@pytest.mark.skipif(not HOPPER, reason="Hopper GPU only (the Gluon kernels)")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shape", [(1024, 560, 1024), (1000, 200, 1352), (64, 64, 128), (4096, 1048, 4096)],
+                         ids=lambda s: "M{}-K{}-F{}".format(*s))
+def test_swiglu_inside_the_gemms(shape, dtype):
+    """`mlp.gated_forward`: gate and up close to the float64 products and, at 1024 x 560 x 1024
+    (where cuBLAS splits no sum), cuBLAS's bits; h the SwiGLU kernel's bits of them, every output
+    written (outputs start as NaN). `mlp.gated_backward`: the SwiGLU kernel's backward of cuBLAS's
+    dh, its bits at that shape and elsewhere within dh's rounding (dgate and dup are dh times
+    factors of gate and up alone); tiles partial along every dimension, fewer tiles than programs
+    and several a program."""
+    from aner.kernels import mlp
+    from aner.kernels.layer import swiglu_grad
+    M, K, F = shape
+    x, w = torch.randn(M, K, device=DEV).to(dtype), (torch.randn(2 * F, K, device=DEV) / K ** 0.5).to(dtype)
+    g, wd = torch.randn(M, K, device=DEV).to(dtype), (torch.randn(K, F, device=DEV) / K ** 0.5).to(dtype)
+    assert mlp.supported(x, w, g, wd)
+    exact = shape == (1024, 560, 1024)
+    for _ in range(2):
+        torch.full((M, 3 * F), float("nan"), device=DEV, dtype=dtype)      # freed: the outputs start as NaN
+        gate, up, h = mlp.gated_forward(x, w[:F], w[F:])
+        y = torch.cat([gate, up], 1)
+        within(y, x.double() @ w.double().t(), x.double().abs() @ w.double().abs().t())
+        assert torch.equal(h, swiglu(gate, up)) and torch.isfinite(h).all()
+        assert not exact or torch.equal(y, x @ w.t())
+        torch.full((M, 3 * F), float("nan"), device=DEV, dtype=dtype)
+        dgate, dup = mlp.gated_backward(g, wd, gate, up)
+        want = swiglu_grad(gate, up, g @ wd)
+        if exact:
+            assert torch.equal(dgate, want[0]) and torch.equal(dup, want[1])
+        for got, ref in zip((dgate, dup), want):
+            assert torch.isfinite(got).all()
+            floor = 2.0 ** -23 if dtype == torch.float16 else 0                # FP16's subnormal steps
+            assert ((got.double() - ref.double()).abs() <= 2 ** -6 * ref.double().abs() + floor).all()
+        assert dup.data_ptr() == dgate.data_ptr() + F * dgate.element_size()      # side by side
+
+
 def test_errors():
     cos, sin = tables(2, 5, 64)
     x = torch.randn(1, 2, 5, 64, device=DEV)

@@ -48,6 +48,15 @@ class LoRALinear(nn.Module):
         return adapted_projections([m.base for m in modules], x, [m.lora_a for m in modules],
                                    [m.lora_b for m in modules], [m.scale for m in modules])
 
+    @staticmethod
+    def gated_mlp(x, gate, up, down):
+        """The feed-forward down(silu(gate(x)) * up(x)) with the SwiGLU inside the fused kernels'
+        GEMMs where they take it (`kernels.lora.gated_mlp`), else None."""
+        if not all(m.fused for m in (gate, up, down)):
+            return None
+        from ..kernels.lora import gated_mlp
+        return gated_mlp(x, gate, up, down)
+
 
 class LoRA(Method):
     def __init__(self, config):

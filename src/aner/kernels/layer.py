@@ -365,14 +365,21 @@ class _SwiGLU(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, g):
-        gate, up = ctx.saved_tensors
-        joint = side_by_side((gate, up), 1)
-        if joint is not None:     # laid out as the projections' outputs were: one product makes their input's
-            dgate, dup = torch.empty(joint.shape, device=gate.device, dtype=gate.dtype).split(gate.shape[1], dim=1)
-        else:
-            dgate, dup = torch.empty_like(gate), torch.empty_like(up)
-        _swiglu_launch(gate, up, g.reshape(gate.shape).contiguous(), dgate, dup, backward=True)
+        dgate, dup = swiglu_grad(*ctx.saved_tensors, g)
         return dgate.view(ctx.shape), dup.view(ctx.shape)
+
+
+def swiglu_grad(gate: torch.Tensor, up: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dgate, dup) of silu(gate) * up for g, its output's gradient, for gate and up (M, F) (rows
+    at any stride); side by side in one buffer where gate and up are (laid out as the projections'
+    outputs were: one product makes their input's gradient)."""
+    joint = side_by_side((gate, up), 1)
+    if joint is not None:
+        dgate, dup = torch.empty(joint.shape, device=gate.device, dtype=gate.dtype).split(gate.shape[1], dim=1)
+    else:
+        dgate, dup = torch.empty_like(gate), torch.empty_like(up)
+    _swiglu_launch(gate, up, g.reshape(gate.shape).contiguous(), dgate, dup, backward=True)
+    return dgate, dup
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

@@ -27,7 +27,9 @@ and rounds once. Projections that read one input (q, k, v; gate, up) go together
 (`adapted_projections`): their A's stacked, x is read once by project and once by reduce_tokens,
 and one expand writes du @ A for the input gradient; where their bases' weights lie one under
 another (`_stacked`: decodes kept for backward, dense casts), one GEMM makes all their outputs,
-side by side, and one their input gradient.
+side by side, and one their input gradient. Where a layer's gate, up and down are all adapted
+over decodes kept for backward, on a Hopper GPU, the SwiGLU between them runs inside those GEMMs
+(`gated_mlp`, `mlp.py`).
 
 Each reads its (M, N) operand once in its own dtype (FP32, FP16 or BF16) and computes its
 products to FP32 accuracy, as the adapter policy requires: on the tensor cores through exact BF16
@@ -51,6 +53,7 @@ from ..model.llama import Dense, side_by_side
 from . import TARGET_PROGRAMS, joins_deltas
 from .fp32 import bf16_parts, fp32_dot, parts_dot, scaled, six_dot
 from .launch import after_prior, launch_options
+from .layer import swiglu_grad
 from .splits import joined_args, store_parts, sum_splits
 
 
@@ -356,7 +359,15 @@ def _columns(ranks):
 
 
 def _joined(bases, x2d: torch.Tensor, dtype: torch.dtype, ranks) -> tuple[torch.Tensor, int] | None:
-    """(x', r_0) when the bases' deltas join their GEMMs along K, else None.
+    """`_joins`' operand x' and r_0 where the deltas join, else None."""
+    if not _joins(bases, x2d, dtype, ranks):
+        return None
+    M, K = x2d.shape
+    return torch.empty(M, 3 * sum(ranks) + K, device=x2d.device, dtype=dtype), ranks[0]
+
+
+def _joins(bases, x2d: torch.Tensor, dtype: torch.dtype, ranks) -> bool:
+    """Whether the bases' deltas join their GEMMs along K.
 
     x' (M, 3 r_0 + K + 3 r_1) BF16 = [u_0's parts hi, mid, hi | x | u_1's parts hi, mid, hi],
     written by project as it reads x. Base 0 multiplies x''s first 3 r_0 + K columns by
@@ -368,12 +379,9 @@ def _joined(bases, x2d: torch.Tensor, dtype: torch.dtype, ranks) -> tuple[torch.
     and outputs at least 4x as wide as x (gate and up): there the delta's write and read outweigh
     x's copy and the 3 r more columns of each product; at q, k, v, o and down they do not
     (`benchmarks/joined_delta.py`)."""
-    if not joins_deltas(dtype, ranks) or x2d.dtype != dtype or len(bases) > 2 \
-            or not all(getattr(base, "spare_room", False) for base in bases) \
-            or sum(base.weight.shape[0] for base in bases) < 4 * x2d.shape[1]:
-        return None
-    M, K = x2d.shape
-    return torch.empty(M, 3 * sum(ranks) + K, device=x2d.device, dtype=dtype), ranks[0]
+    return joins_deltas(dtype, ranks) and x2d.dtype == dtype and len(bases) <= 2 \
+        and all(getattr(base, "spare_room", False) for base in bases) \
+        and sum(base.weight.shape[0] for base in bases) >= 4 * x2d.shape[1]
 
 
 def _joined_product(base, i: int, wide: torch.Tensor, r0: int, b: torch.Tensor, scale: float, dtype: torch.dtype):
@@ -387,6 +395,24 @@ def _joined_product(base, i: int, wide: torch.Tensor, r0: int, b: torch.Tensor, 
     x = wide[:, :left + K] if left else wide[:, 3 * r0:]
     with torch.autocast(wide.device.type, enabled=False):
         return torch.mm(x, w.t()), w[:, left:left + K]
+
+
+def _paired(bases, wide: torch.Tensor, b_s, scales, dtype: torch.dtype) -> torch.Tensor:
+    """Two bases' joined weights (`_joined`) as one matrix over every column of x' (M, 3 r_0 + K +
+    3 r_1): base 0's rows [B_0's parts | W_0 | 0], base 1's [0 | W_1 | B_1's parts], so that one
+    GEMM makes both outputs (`gated_mlp`). Each row's sum is its joined product's: the zeros add
+    nothing."""
+    (n0, r0), (n1, r1) = b_s[0].shape, b_s[1].shape
+    K = wide.shape[1] - 3 * (r0 + r1)
+    w = torch.empty(n0 + n1, wide.shape[1], device=wide.device, dtype=dtype)
+    w0, w1 = w.split([n0, n1])
+    for base, part in zip(bases, (w0, w1)):
+        base.operand(dtype, 3 * r0, 3 * r1, out=part)
+    _spread(b_s[0], w0[:, :3 * r0], scales[0])
+    _spread(b_s[1], w1[:, 3 * r0 + K:], scales[1])
+    w0[:, 3 * r0 + K:].zero_()
+    w1[:, :3 * r0].zero_()
+    return w
 
 
 def _joined_grad(bases, x2d: torch.Tensor, dtype: torch.dtype, ranks) -> int:
@@ -406,14 +432,20 @@ def _joined_grad(bases, x2d: torch.Tensor, dtype: torch.dtype, ranks) -> int:
 
 
 def _joined_input_grad(base, w: torch.Tensor | None, wide: torch.Tensor, a: torch.Tensor, dtype: torch.dtype,
-                       below: int) -> torch.Tensor:
+                       below: int, gated=()):
     """dx = g' @ [W; A's parts] (`_joined_grad`), through the base's kept decode w (with `below`
-    rows under W) or, for None, one made again."""
+    rows under W) or, for None, one made again. With `gated` (gate, up), the SwiGLU's that made x
+    (`gated_mlp`): (dgate, dup), its backward inside the GEMM where the kernel takes it."""
     if w is None:
         w = base.operand(dtype, below=below)
     _spread(a.t(), w[w.shape[0] - below:].t())          # A (r, K)'s parts, rows hi, hi, mid under W
+    if gated:
+        from . import mlp       # Gluon: imported where it may run
+        if mlp.supported(wide, w, *gated):
+            return mlp.gated_backward(wide, w, *gated)
     with torch.autocast(wide.device.type, enabled=False):
-        return torch.mm(wide, w)
+        dx = torch.mm(wide, w)
+    return swiglu_grad(*gated, dx) if gated else dx
 
 
 def _stacked(bases, x2d: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
@@ -471,10 +503,18 @@ class _AdaptedProjections(torch.autograd.Function):
     chain's; the graph's root keeps no data (a projection's backward reads its inputs only).
 
     The A_i are stacked: one project reads x once for all of them, one reduce over the tokens
-    makes all their gradients from one read of x, and one expand makes the stacked du @ A."""
+    makes all their gradients from one read of x, and one expand makes the stacked du @ A.
+
+    `swiglu` (`gated_mlp`): "gate" for gate and up with joined deltas, their weights `_paired`:
+    one GEMM makes both and h = silu(gate) * up (a third output, not differentiable), their input
+    gradient one GEMM over the pair's rows; "down" for down reading that h, with gate and up the
+    first tensors: their gradients, not h's, the SwiGLU's backward inside the joined input
+    gradient's GEMM or after the chain's."""
 
     @staticmethod
-    def forward(ctx, x2d, bases, track, scales, *factors):
+    def forward(ctx, x2d, bases, track, scales, swiglu, *tensors):
+        ctx.gated = tensors[:2] if swiglu == "down" else ()
+        factors = tensors[len(ctx.gated):]
         a_s, b_s = factors[:len(bases)], factors[len(bases):]
         dtype = _operand_dtype(x2d)
         xo = x2d.to(dtype)
@@ -486,7 +526,17 @@ class _AdaptedProjections(torch.autograd.Function):
         # (M, sum r_i) as its BF16 parts
         u = project(x2d, a, parts=_planes(x2d.shape[0], a.shape[0], x2d.device), joined=joined)
         outs, kept, ctx.graphs = [], [], []
-        if stacked is not None:                                   # one GEMM onto the deltas side by side
+        if swiglu == "gate":                                      # gate, up and h: one kernel
+            from . import mlp       # Gluon: imported where it may run
+            w = _paired(bases, joined[0], b_s, scales, dtype)
+            left, K = 3 * ctx.ranks[0], x2d.shape[1]
+            outs = list(mlp.gated_forward(joined[0], *w.split([b.shape[0] for b in b_s]), gate_cols=left + K,
+                                          up_first=left))
+            ctx.mark_non_differentiable(outs[2])
+            ctx.set_materialize_grads(False)
+            kept, ctx.graphs = [w[:, left:left + K] if track else None], [None] * len(bases)
+            stacked = w
+        elif stacked is not None:                                 # one GEMM onto the deltas side by side
             out = torch.empty(x2d.shape[0], stacked.shape[0], device=x2d.device, dtype=dtype)
             outs = list(out.split([b.shape[0] for b in b_s], 1))
             for o, cols, b, s in zip(outs, _columns(ctx.ranks), b_s, scales):
@@ -519,7 +569,7 @@ class _AdaptedProjections(torch.autograd.Function):
                     if track:
                         y.untyped_storage().resize_(0)
                 del w                                                 # before the next decode
-        ctx.save_for_backward(x2d, a, u, *b_s, *(w for w in kept if w is not None))
+        ctx.save_for_backward(x2d, a, u, *b_s, *ctx.gated, *(w for w in kept if w is not None))
         ctx.kept = [w is not None for w in kept]
         ctx.stacked = stacked is not None
         ctx.bases, ctx.dtype, ctx.scales = bases, dtype, scales
@@ -530,19 +580,23 @@ class _AdaptedProjections(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, *gs):
-        n, needs = len(gs), ctx.needs_input_grad
+        gs = gs[:len(ctx.ranks)]                                  # not h's ("gate")
+        n, g2, needs = len(gs), len(ctx.gated), ctx.needs_input_grad
         x2d, a, u, *rest = ctx.saved_tensors
-        b_s, kept = rest[:n], iter(rest[n:])
+        b_s, gated, kept = rest[:n], rest[n:n + g2], iter(rest[n + g2:])
+        factor_needs = needs[5 + g2:]
+        want_dx = needs[0] or any(needs[5:5 + g2])                # "down": gate's and up's gradients
         du = _planes(x2d.shape[0], a.shape[0], x2d.device)       # (M, sum r_i): g_i @ s_i B_i, as BF16 parts
         # the input gradient joined (`_joined_grad`): project also writes g' = [g | du's parts]
-        wide = None if not (ctx.below and needs[0]) else \
+        wide = None if not (ctx.below and want_dx) else \
             torch.empty(x2d.shape[0], gs[0].shape[1] + ctx.below, device=x2d.device, dtype=ctx.dtype)
         for g, b, cols, s in zip(gs, b_s, _columns(ctx.ranks), ctx.scales):
             project(g, b.t(), parts=du[:, :, cols], scale=s, joined=None if wide is None else (wide, 0))
         dx = None
         if wide is not None:
-            dx = _joined_input_grad(ctx.bases[0], next(kept) if ctx.kept[0] else None, wide, a, ctx.dtype, ctx.below)
-        elif needs[0]:
+            dx = _joined_input_grad(ctx.bases[0], next(kept) if ctx.kept[0] else None, wide, a, ctx.dtype, ctx.below,
+                                    gated)
+        elif want_dx:
             # du @ A first when every base is a GEMM in x's dtype: each GEMM of the chain adds onto it
             first = x2d.dtype == ctx.dtype and all(graph is None for graph in ctx.graphs)
             if first:
@@ -562,14 +616,18 @@ class _AdaptedProjections(torch.autograd.Function):
                     del w
             if not first:
                 dx = expand(du, a.t(), dx, x2d.dtype)
+            if gated:
+                dx = swiglu_grad(*gated, dx)
         ctx.graphs = None
         da = [None] * n
-        if any(needs[4:4 + n]):                                   # (r_i, in) = du_i^T x, rows of one tensor
+        if any(factor_needs[:n]):                                 # (r_i, in) = du_i^T x, rows of one tensor
             da = [d if need else None
-                  for d, need in zip(reduce_tokens(x2d, du, transposed=True).split(ctx.ranks), needs[4:4 + n])]
+                  for d, need in zip(reduce_tokens(x2d, du, transposed=True).split(ctx.ranks), factor_needs[:n])]
         db = [reduce_tokens(g, u[:, :, cols], scale=s) if need else None      # (out_i, r_i) = s_i g_i^T u_i
-              for g, cols, s, need in zip(gs, _columns(ctx.ranks), ctx.scales, needs[4 + n:])]
-        return dx, None, None, None, *da, *db
+              for g, cols, s, need in zip(gs, _columns(ctx.ranks), ctx.scales, factor_needs[n:])]
+        if gated:                                                 # for gate and up, none for h
+            return None, None, None, None, None, *(dx or (None, None)), *da, *db
+        return dx, None, None, None, None, *da, *db
 
 
 def adapted_projections(bases, x: torch.Tensor, a_s, b_s, scales=None) -> tuple[torch.Tensor, ...]:
@@ -580,7 +638,7 @@ def adapted_projections(bases, x: torch.Tensor, a_s, b_s, scales=None) -> tuple[
     lead = x.shape[:-1]
     x2d = x.reshape(-1, x.shape[-1]).contiguous()
     scales = tuple(float(s) for s in scales) if scales is not None else (1.0,) * len(bases)
-    outs = _AdaptedProjections.apply(x2d, tuple(bases), torch.is_grad_enabled() and x.requires_grad, scales,
+    outs = _AdaptedProjections.apply(x2d, tuple(bases), torch.is_grad_enabled() and x.requires_grad, scales, None,
                                      *a_s, *b_s)
     return tuple(out.reshape(*lead, out.shape[-1]) for out in outs)
 
@@ -588,3 +646,31 @@ def adapted_projections(bases, x: torch.Tensor, a_s, b_s, scales=None) -> tuple[
 def adapted_projection(base, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
     """adapted_projections for one base."""
     return adapted_projections((base,), x, (a,), (b,), (scale,))[0]
+
+
+def gated_mlp(x: torch.Tensor, gate, up, down) -> torch.Tensor | None:
+    """down(silu(gate(x)) * up(x)) for adapted projections (`base`, `lora_a`, `lora_b`, `scale`),
+    with the SwiGLU inside the GEMMs (`mlp`): gate's and up's products (their deltas joined, their
+    weights `_paired`) make h in the same kernel, and down's input gradient (joined, where its
+    input is twice its output's width) gives gate's and up's; no pass writes gate and up for the
+    SwiGLU to read, nor dh. Where: gate's and up's deltas join (`_joins`), every base's decode is
+    kept for backward, gate and up are as wide (a multiple of 8: up's output 16-byte aligned beside
+    gate's) and the kernel takes x (a Hopper GPU); None elsewhere, for the caller to make the
+    projections and the SwiGLU apart. The SwiGLU is the fused kernel's (`layer.swiglu`)."""
+    lead = x.shape[:-1]
+    x2d = x.reshape(-1, x.shape[-1]).contiguous()
+    dtype = _operand_dtype(x2d)
+    bases, ranks = (gate.base, up.base), [gate.lora_a.shape[0], up.lora_a.shape[0]]
+    F = gate.base.weight.shape[0]
+    if not _joins(bases, x2d, dtype, ranks) or not all(b.keeps_operand for b in (*bases, down.base)) \
+            or up.base.weight.shape[0] != F or F % 8:
+        return None
+    from . import mlp       # Gluon: imported where it may run
+    if not mlp.supported(x2d):
+        return None
+    track = torch.is_grad_enabled() and x.requires_grad
+    g, u, h = _AdaptedProjections.apply(x2d, bases, track, (float(gate.scale), float(up.scale)), "gate",
+                                        gate.lora_a, up.lora_a, gate.lora_b, up.lora_b)
+    (out,) = _AdaptedProjections.apply(h, (down.base,), track, (float(down.scale),), "down", g, u, down.lora_a,
+                                       down.lora_b)
+    return out.reshape(*lead, out.shape[-1])

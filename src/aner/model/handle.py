@@ -62,6 +62,14 @@ def canonical_sha256(config, weights: dict) -> str:
     return h.hexdigest()
 
 
+def _paired(target: str, targets) -> bool:
+    """Whether an adapted gate or up is paired with its layer's other for the SwiGLU inside their
+    GEMM (`kernels.lora.gated_mlp`): the layer's gate, up and down all adapted."""
+    layer, _, name = target.rpartition(".ffn_")
+    return name in ("gate.weight", "up.weight") \
+        and all(f"{layer}.ffn_{n}.weight" in targets for n in ("gate", "up", "down"))
+
+
 def check_device(device) -> str:
     if device == "cpu":
         return device
@@ -204,7 +212,9 @@ class PretrainedModel:
         only looked up): the forward keeps each for its backward, and the head is decoded last.
         An adapted matrix counts 3 r columns or rows more, along its longer side, where the fused
         adapter kernels may join its delta to its product or du @ A to its input gradient
-        (`kernels.joins_deltas`; every target, whatever its shape)."""
+        (`kernels.joins_deltas`; every target, whatever its shape), and a layer's gate and up 6 r
+        where its down is adapted too (their weights paired for the SwiGLU inside the GEMM,
+        `kernels.lora.gated_mlp`)."""
         kernel = self._profile.nf4_kernel
         if self._storage == "float32" or kernel == "fused":
             return 0
@@ -215,7 +225,7 @@ class PretrainedModel:
         method = self._method.config if self._method is not None else None
         joins = method is not None and self._profile.adapter_kernel == "fused" \
             and joins_deltas(self._profile.compute_dtype, [method.rank])
-        spare = {t: 3 * method.rank for t in method.targets} if joins else {}
+        spare = {t: 3 * method.rank * (1 + _paired(t, method.targets)) for t in method.targets} if joins else {}
         sizes = [(w.shape[0] * w.shape[1] + spare.get(n, 0) * max(w.shape)) * itemsize for n, w in self._weights.items()
                  if not isinstance(w, torch.Tensor) and n != looked_up]
         return sum(sizes) if kernel == "decoded_kept" else max(sizes)

@@ -225,7 +225,16 @@ class Block(nn.Module):
         return self.attn_output(y)
 
     def mlp(self, x):
-        return self.ffn_down(self.swiglu(*shared_input(x, self.groups()[1])))
+        """down(swiglu(gate(x), up(x))); one module kind's `gated_mlp(x, gate, up, down)` makes it
+        whole where it can (the fused adapters: the SwiGLU inside the GEMMs) when the fused SwiGLU
+        is chosen, the same arithmetic."""
+        group = self.groups()[1]
+        kind = type(self.ffn_down)
+        if self.swiglu is not swiglu and hasattr(kind, "gated_mlp") and all(type(m) is kind for m in group):
+            out = kind.gated_mlp(x, *group, self.ffn_down)
+            if out is not None:
+                return out
+        return self.ffn_down(self.swiglu(*shared_input(x, group)))
 
     def groups(self) -> list[tuple]:
         return [tuple(getattr(self, name) for name in names) for names in self.GROUPS]
