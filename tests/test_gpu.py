@@ -386,6 +386,38 @@ def test_swiglu_inside_the_gemms_trains_as_made_apart(tiny_factory, data, monkey
     assert np.allclose(apart._state.losses, gated._state.losses, rtol=1e-3, atol=0)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
+                    reason="Hopper GPU only (the Gluon kernels)")
+@pytest.mark.parametrize("precision", ["bfloat16", "float16"])
+def test_swiglu_inside_the_gemms_trains_full_fine_tuning_as_made_apart(tiny_factory, data, monkeypatch, precision):
+    """Full fine-tuning under a low-precision policy with the fused layer kernels: gate's and up's
+    product makes h in its kernel and down's input gradient gives theirs (`Dense.gated_mlp`, each
+    layer once a micro-batch each way); recorded graphs give the eager bits; the losses are those
+    of the projections and the SwiGLU made apart, the first one's bits and the next ones to 1e-3
+    (cuBLAS may sum these small products in another order)."""
+    from aner.kernels import mlp
+    from aner.model.llama import Dense
+    tr, va = data
+    base = gen.import_model(tiny_factory(Shape(tied=False, n_layer=2, dim=64, n_head=4, n_kv_head=2, ffn_dim=128)),
+                            device=DEV)
+    profile = dict(precision=precision, layer_kernel="fused")
+    kw = dict(micro_batch=2, rate=1e-3, seed=4)
+    calls, forward, backward = [], mlp.gated_forward, mlp.gated_backward
+    monkeypatch.setattr(mlp, "gated_forward", lambda *a, **k: calls.append("forward") or forward(*a, **k))
+    monkeypatch.setattr(mlp, "gated_backward", lambda *a: calls.append("backward") or backward(*a))
+    src = base.with_training_profile(**profile)
+    gated = src.fine_tune(tr, va, steps=2, **kw)
+    assert calls.count("forward") >= 4 and calls.count("backward") == 4     # 2 layers x 2 updates
+    graphed = base.with_training_profile(cuda_graphs=True, **profile).fine_tune(tr, va, steps=2, **kw)
+    monkeypatch.setattr(Dense, "gated_mlp", staticmethod(lambda *args: None))
+    calls.clear()
+    apart = src.fine_tune(tr, va, steps=2, **kw)
+    assert not calls
+    assert graphed._state.losses == gated._state.losses and tensors_equal(graphed, gated)
+    assert apart._state.losses[0] == gated._state.losses[0]
+    assert np.allclose(apart._state.losses, gated._state.losses, rtol=1e-3, atol=0)
+
+
 @pytest.mark.parametrize("storage,method,kernel,precision", [
     ("float32", "full", "host_tiled", "float32"), ("float32", "full", "host_tiled", "bfloat16"),
     ("float32", "lora", "host_tiled", "float16"), ("nf4_double_quant", "lora", "fused", "bfloat16"),

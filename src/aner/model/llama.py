@@ -54,8 +54,32 @@ class Dense(nn.Module):
             casts = [m.cast_to(dtype) for m in modules]
             stacked = side_by_side(casts, 0)    # the kept casts of a group are (`train.loop.kept_casts`)
             return _TrainedProjections.apply(x, dtype, torch.cat(casts) if stacked is None else stacked,
-                                             [c.shape[0] for c in casts], *(m.weight for m in modules))
+                                             [c.shape[0] for c in casts], None, *(m.weight for m in modules))
         return tuple(m(x) for m in modules)
+
+    @staticmethod
+    def gated_mlp(x, gate, up, down):
+        """The feed-forward down(silu(gate(x)) * up(x)) of trained weights under a FP16/BF16 policy
+        with the SwiGLU inside the GEMMs (`kernels.mlp`): gate's and up's product (their casts one
+        under another) makes h in the same kernel, and down's input gradient gives theirs in place
+        of dh. None where the kernels do not take it (not a Hopper GPU; gate and up of other widths,
+        or of one not a multiple of 8), for the caller to make the projections and the SwiGLU apart."""
+        dev = x.device.type
+        modules = (gate, up, down)
+        if not torch.is_autocast_enabled(dev) or not all(m.weight.requires_grad for m in modules):
+            return None
+        from ..kernels import mlp      # Gluon: imported where it may run
+        dtype = torch.get_autocast_dtype(dev)
+        casts = [m.cast_to(dtype) for m in modules]
+        x2d = x.reshape(-1, x.shape[-1]).to(dtype).contiguous()
+        F_ = casts[0].shape[0]
+        if casts[1].shape != casts[0].shape or F_ % 8 or not mlp.supported(x2d, *casts):
+            return None
+        stacked = side_by_side(casts[:2], 0)
+        g, u, h = _TrainedProjections.apply(x2d, dtype, torch.cat(casts[:2]) if stacked is None else stacked,
+                                            [F_, F_], "gate", gate.weight, up.weight)
+        (out,) = _TrainedProjections.apply(h, dtype, casts[2], [casts[2].shape[0]], "down", g, u, down.weight)
+        return out.view(*x.shape[:-1], out.shape[-1])
 
     def cast_to(self, dtype):
         """The weight in `dtype`, detached: its kept cast when it has one in that dtype."""
@@ -84,25 +108,43 @@ class _TrainedProjections(torch.autograd.Function):
     (the fused RoPE and SwiGLU lay them out so), one GEMM over all the rows, and the weights'
     gradients one GEMM, each weight's its rows; otherwise one chain of products into one buffer
     (dx = g_0 @ W_0, then dx += g_i @ W_i inside each next GEMM, rounding dx to `dtype` each time),
-    so no pass adds them."""
+    so no pass adds them.
+
+    `swiglu` (`Dense.gated_mlp`, x 2-D): "gate" for gate and up, whose product also makes h =
+    silu(gate) * up (a third output, not differentiable) in one kernel (`kernels.mlp`); "down"
+    for down reading that h, with gate and up the first tensors: their gradients, not h's, the
+    SwiGLU's backward inside down's input gradient's GEMM."""
 
     @staticmethod
-    def forward(ctx, x, dtype, stacked, rows, *weights):
+    def forward(ctx, x, dtype, stacked, rows, swiglu, *tensors):
         x = x.to(dtype)
-        ctx.save_for_backward(x, stacked)
+        ctx.gated = tensors[:2] if swiglu == "down" else ()
+        ctx.save_for_backward(x, stacked, *ctx.gated)
         ctx.rows = rows
+        if swiglu == "gate":
+            from ..kernels import mlp      # Gluon: imported where it may run
+            outs = mlp.gated_forward(x, *stacked.split(rows))
+            ctx.mark_non_differentiable(outs[2])
+            ctx.set_materialize_grads(False)
+            return outs
         return F.linear(x, stacked).split(rows, -1)
 
     @staticmethod
     def backward(ctx, *gs):
-        x, stacked = ctx.saved_tensors
+        x, stacked, *gated = ctx.saved_tensors
         x2d = x.flatten(0, -2)
-        g2d = [g.flatten(0, -2) for g in gs]
-        needs = ctx.needs_input_grad[4:]
+        g2d = [g.flatten(0, -2) for g in gs[:len(ctx.rows)]]                # not h's ("gate")
+        needs = ctx.needs_input_grad[5 + len(gated):]
         g_all = side_by_side(g2d, 1)
         pairs = [(g_all, stacked)] if g_all is not None else list(zip(g2d, stacked.split(ctx.rows)))
         dx = None
-        if ctx.needs_input_grad[0]:
+        if gated:                                                           # "down": gate's and up's
+            if any(ctx.needs_input_grad[5:7]):
+                from ..kernels import layer, mlp      # Gluon: imported where it may run
+                g = g2d[0].contiguous()
+                dx = mlp.gated_backward(g, stacked, *gated) if mlp.supported(g, stacked, *gated) else \
+                    layer.swiglu_grad(*gated, g @ stacked)
+        elif ctx.needs_input_grad[0]:
             for g, w in pairs:
                 dx = g @ w if dx is None else dx.addmm_(g, w)
             dx = dx.view(x.shape)
@@ -110,7 +152,9 @@ class _TrainedProjections(torch.autograd.Function):
             dws = torch.mm(g_all.t(), x2d, out_dtype=torch.float32).split(ctx.rows)
         else:
             dws = [torch.mm(g.t(), x2d, out_dtype=torch.float32) if need else None for g, need in zip(g2d, needs)]
-        return dx, None, None, None, *dws
+        if gated:
+            return None, None, None, None, None, *(dx or (None, None)), *dws
+        return dx, None, None, None, None, *dws
 
 
 def side_by_side(tensors, dim: int):
@@ -226,8 +270,8 @@ class Block(nn.Module):
 
     def mlp(self, x):
         """down(swiglu(gate(x), up(x))); one module kind's `gated_mlp(x, gate, up, down)` makes it
-        whole where it can (the fused adapters: the SwiGLU inside the GEMMs) when the fused SwiGLU
-        is chosen, the same arithmetic."""
+        whole where it can (the fused adapters, trained dense weights: the SwiGLU inside the GEMMs)
+        when the fused SwiGLU is chosen, the same arithmetic."""
         group = self.groups()[1]
         kind = type(self.ffn_down)
         if self.swiglu is not swiglu and hasattr(kind, "gated_mlp") and all(type(m) is kind for m in group):
