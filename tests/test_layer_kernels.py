@@ -285,7 +285,8 @@ def test_swiglu_inside_the_gemms(shape, dtype):
     written (outputs start as NaN). `mlp.gated_backward`: the SwiGLU kernel's backward of cuBLAS's
     dh, its bits at that shape and elsewhere within dh's rounding (dgate and dup are dh times
     factors of gate and up alone); tiles partial along every dimension, fewer tiles than programs
-    and several a program."""
+    and several a program; with zero blocks where `lora._paired` lays them, the steps that hold
+    them alone left out, the same bits."""
     from aner.kernels import mlp
     from aner.kernels.layer import swiglu_grad
     M, K, F = shape
@@ -300,6 +301,13 @@ def test_swiglu_inside_the_gemms(shape, dtype):
         within(y, x.double() @ w.double().t(), x.double().abs() @ w.double().abs().t())
         assert torch.equal(h, swiglu(gate, up)) and torch.isfinite(h).all()
         assert not exact or torch.equal(y, x @ w.t())
+        # zero blocks as `lora._paired` lays them (gate's last columns, up's first), their steps left out
+        j = 48
+        wz = w.clone()
+        wz[:F, K - j:] = 0
+        wz[F:, :j] = 0
+        skipped = mlp.gated_forward(x, wz[:F], wz[F:], gate_cols=K - j, up_first=j)
+        assert all(torch.equal(a, b) for a, b in zip(skipped, mlp.gated_forward(x, wz[:F], wz[F:])))
         torch.full((M, 3 * F), float("nan"), device=DEV, dtype=dtype)
         dgate, dup = mlp.gated_backward(g, wd, gate, up)
         want = swiglu_grad(gate, up, g @ wd)
