@@ -407,7 +407,8 @@ def test_swiglu_inside_the_gemms_trains_full_fine_tuning_as_made_apart(tiny_fact
     monkeypatch.setattr(mlp, "gated_backward", lambda *a: calls.append("backward") or backward(*a))
     src = base.with_training_profile(**profile)
     gated = src.fine_tune(tr, va, steps=2, **kw)
-    assert calls.count("forward") >= 4 and calls.count("backward") == 4     # 2 layers x 2 updates
+    windows = 2 + gated._state.loss_scale.overflows         # FP16 replays a window whose gradients overflowed
+    assert calls.count("forward") >= 2 * windows and calls.count("backward") == 2 * windows     # 2 layers
     graphed = base.with_training_profile(cuda_graphs=True, **profile).fine_tune(tr, va, steps=2, **kw)
     monkeypatch.setattr(Dense, "gated_mlp", staticmethod(lambda *args: None))
     calls.clear()
