@@ -350,6 +350,31 @@ def test_joined_deltas_train_as_the_deltas_added(tiny_factory, data, monkeypatch
     assert tensors_equal(eager, four) and eager._state.losses == four._state.losses
 
 
+@contextlib.contextmanager
+def first_update_gradients(monkeypatch):
+    """Yields a dict that holds, after the block, a copy of the gradients the block's first update
+    hands to the clipping norm (reduced over the window and unscaled)."""
+    from aner.train import loop
+    seen, divisor = {}, loop.clip_divisor
+
+    def spy(grads, clip_norm):
+        if not seen:
+            seen.update({k: g.clone() for k, g in grads.items()})
+        return divisor(grads, clip_norm)
+    monkeypatch.setattr(loop, "clip_divisor", spy)
+    yield seen
+    monkeypatch.setattr(loop, "clip_divisor", divisor)
+
+
+def assert_gradients_close(a, b, bound):
+    """Each tensor of a within bound of b's largest magnitude; where b is all zeros, a is too."""
+    assert a and a.keys() == b.keys()
+    for k in b:
+        top = float(b[k].abs().max())
+        scaled = float((a[k] - b[k]).abs().max()) / top if top else float(a[k].abs().max())
+        assert scaled <= bound, (k, scaled)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
                     reason="Hopper GPU only (the Gluon kernels)")
 def test_swiglu_inside_the_gemms_trains_as_made_apart(tiny_factory, data, monkeypatch):
@@ -357,9 +382,9 @@ def test_swiglu_inside_the_gemms_trains_as_made_apart(tiny_factory, data, monkey
     product makes h in its kernel and down's input gradient gives theirs (`kernels.lora.gated_mlp`,
     each layer once a micro-batch each way); recorded graphs give the eager bits; the first loss
     has the bits of the projections and the SwiGLU made apart (the forward's outputs are theirs),
-    the next ones are theirs to 1e-3 (gate's and up's input gradient is one GEMM over the pair,
-    rounded once, where apart it is a chain of two, rounded after each); without down adapted the
-    MLP is made apart."""
+    the next ones are theirs to 1e-3 and the first update's gradients to 2e-2 of each tensor's
+    largest (gate's and up's input gradient is one GEMM over the pair, rounded once, where apart it
+    is a chain of two, rounded after each); without down adapted the MLP is made apart."""
     from aner.adapters.lora import LoRALinear
     from aner.kernels import mlp
     tr, va = data
@@ -371,7 +396,8 @@ def test_swiglu_inside_the_gemms_trains_as_made_apart(tiny_factory, data, monkey
     monkeypatch.setattr(mlp, "gated_forward", lambda *a, **k: calls.append("forward") or forward(*a, **k))
     monkeypatch.setattr(mlp, "gated_backward", lambda *a: calls.append("backward") or backward(*a))
     src = packed.with_training_profile(**profile).lora(rank=16, seed=1, targets=list(ALIASES))
-    gated = src.fine_tune(tr, va, steps=2, **kw)
+    with first_update_gradients(monkeypatch) as gated_grads:
+        gated = src.fine_tune(tr, va, steps=2, **kw)
     assert calls.count("forward") >= 4 and calls.count("backward") == 4     # 2 layers x 2 updates; validation too
     graphed = src.with_training_profile(cuda_graphs=True, **profile).fine_tune(tr, va, steps=2, **kw)
     calls.clear()
@@ -379,11 +405,13 @@ def test_swiglu_inside_the_gemms_trains_as_made_apart(tiny_factory, data, monkey
     packed.with_training_profile(**profile).lora(rank=16, seed=1, targets=no_down).fine_tune(tr, va, steps=1, **kw)
     assert not calls
     monkeypatch.setattr(LoRALinear, "gated_mlp", staticmethod(lambda *args: None))
-    apart = src.fine_tune(tr, va, steps=2, **kw)
+    with first_update_gradients(monkeypatch) as apart_grads:
+        apart = src.fine_tune(tr, va, steps=2, **kw)
     assert not calls
     assert graphed._state.losses == gated._state.losses and tensors_equal(graphed, gated)
     assert apart._state.losses[0] == gated._state.losses[0]
     assert np.allclose(apart._state.losses, gated._state.losses, rtol=1e-3, atol=0)
+    assert_gradients_close(gated_grads, apart_grads, 2e-2)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
@@ -393,8 +421,9 @@ def test_swiglu_inside_the_gemms_trains_full_fine_tuning_as_made_apart(tiny_fact
     """Full fine-tuning under a low-precision policy with the fused layer kernels: gate's and up's
     product makes h in its kernel and down's input gradient gives theirs (`Dense.gated_mlp`, each
     layer once a micro-batch each way); recorded graphs give the eager bits; the losses are those
-    of the projections and the SwiGLU made apart, the first one's bits and the next ones to 1e-3
-    (cuBLAS may sum these small products in another order)."""
+    of the projections and the SwiGLU made apart, the first one's bits and the next ones to 1e-3,
+    and so are the first update's gradients, to 2e-2 of each tensor's largest (cuBLAS may sum these
+    small products in another order)."""
     from aner.kernels import mlp
     from aner.model.llama import Dense
     tr, va = data
@@ -406,17 +435,20 @@ def test_swiglu_inside_the_gemms_trains_full_fine_tuning_as_made_apart(tiny_fact
     monkeypatch.setattr(mlp, "gated_forward", lambda *a, **k: calls.append("forward") or forward(*a, **k))
     monkeypatch.setattr(mlp, "gated_backward", lambda *a: calls.append("backward") or backward(*a))
     src = base.with_training_profile(**profile)
-    gated = src.fine_tune(tr, va, steps=2, **kw)
+    with first_update_gradients(monkeypatch) as gated_grads:
+        gated = src.fine_tune(tr, va, steps=2, **kw)
     windows = 2 + gated._state.loss_scale.overflows         # FP16 replays a window whose gradients overflowed
     assert calls.count("forward") >= 2 * windows and calls.count("backward") == 2 * windows     # 2 layers
     graphed = base.with_training_profile(cuda_graphs=True, **profile).fine_tune(tr, va, steps=2, **kw)
     monkeypatch.setattr(Dense, "gated_mlp", staticmethod(lambda *args: None))
     calls.clear()
-    apart = src.fine_tune(tr, va, steps=2, **kw)
+    with first_update_gradients(monkeypatch) as apart_grads:
+        apart = src.fine_tune(tr, va, steps=2, **kw)
     assert not calls
     assert graphed._state.losses == gated._state.losses and tensors_equal(graphed, gated)
     assert apart._state.losses[0] == gated._state.losses[0]
     assert np.allclose(apart._state.losses, gated._state.losses, rtol=1e-3, atol=0)
+    assert_gradients_close(gated_grads, apart_grads, 2e-2)
 
 
 @pytest.mark.parametrize("storage,method,kernel,precision", [
