@@ -383,8 +383,9 @@ def test_swiglu_inside_the_gemms_trains_as_made_apart(tiny_factory, data, monkey
     each layer once a micro-batch each way); recorded graphs give the eager bits; the first loss
     has the bits of the projections and the SwiGLU made apart (the forward's outputs are theirs),
     the next ones are theirs to 1e-3 and the first update's gradients to 2e-2 of each tensor's
-    largest (gate's and up's input gradient is one GEMM over the pair, rounded once, where apart it
-    is a chain of two, rounded after each); without down adapted the MLP is made apart."""
+    largest (6.3e-3 measured on the H100: gate's and up's input gradient is one GEMM over the pair,
+    rounded once, where apart it is a chain of two, rounded after each); without down adapted the
+    MLP is made apart."""
     from aner.adapters.lora import LoRALinear
     from aner.kernels import mlp
     tr, va = data
@@ -420,10 +421,10 @@ def test_swiglu_inside_the_gemms_trains_as_made_apart(tiny_factory, data, monkey
 def test_swiglu_inside_the_gemms_trains_full_fine_tuning_as_made_apart(tiny_factory, data, monkeypatch, precision):
     """Full fine-tuning under a low-precision policy with the fused layer kernels: gate's and up's
     product makes h in its kernel and down's input gradient gives theirs (`Dense.gated_mlp`, each
-    layer once a micro-batch each way); recorded graphs give the eager bits; the losses are those
-    of the projections and the SwiGLU made apart, the first one's bits and the next ones to 1e-3,
-    and so are the first update's gradients, to 2e-2 of each tensor's largest (cuBLAS may sum these
-    small products in another order)."""
+    layer once a micro-batch each way); recorded graphs give the eager bits; the first update's
+    gradients and loss have the bits of the projections and the SwiGLU made apart (as measured on
+    the H100), the next losses are theirs to 1e-3 (cuBLAS may sum these small products in another
+    order)."""
     from aner.kernels import mlp
     from aner.model.llama import Dense
     tr, va = data
@@ -448,7 +449,7 @@ def test_swiglu_inside_the_gemms_trains_full_fine_tuning_as_made_apart(tiny_fact
     assert graphed._state.losses == gated._state.losses and tensors_equal(graphed, gated)
     assert apart._state.losses[0] == gated._state.losses[0]
     assert np.allclose(apart._state.losses, gated._state.losses, rtol=1e-3, atol=0)
-    assert_gradients_close(gated_grads, apart_grads, 2e-2)
+    assert_gradients_close(gated_grads, apart_grads, 0.0)
 
 
 @pytest.mark.parametrize("storage,method,kernel,precision", [
