@@ -32,7 +32,11 @@
                                               round silu(gate) first; attention (FP16/BF16, head
                                               widths 16-128) keeps the flash scheme's roundings and
                                               is deterministic; the loss is the same FP32
-                                              formula, its reductions in another order
+                                              formula, its reductions in another order. On a
+                                              Hopper GPU the MLP's SwiGLU runs inside its GEMMs
+                                              where gate, up and down are all trained, or all
+                                              adapted over kept NF4 decodes in BF16
+                                              (`kernels/mlp.py`; the same bits forward)
     attention_kernel (layer_kernel's) | torch | fused | cudnn   how attention runs on a GPU: as
                                               layer_kernel says (the default), torch's
                                               scaled_dot_product_attention, ours
