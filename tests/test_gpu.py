@@ -311,8 +311,10 @@ def test_joined_deltas_train_as_the_deltas_added(tiny_factory, data, monkeypatch
     input is twice its output's width: du @ A joins its input gradient (`kernels.lora._joined_grad`),
     no other's does; the kept decodes are counted 3 r columns or rows more along their longer side
     (gate's and up's 6 r: paired, `kernels.lora.gated_mlp`).
-    The losses are those of a floating base holding the decoded weights, where every delta is
-    added, to 1e-3; recorded graphs give the eager bits, and resume is exact."""
+    The losses are those of a floating base holding the decoded weights, its casts kept without
+    room, so that every delta is added, to 1e-3; recorded graphs give the eager bits, and resume is
+    exact."""
+    import aner.train.loop as loop
     from aner.kernels import lora
     tr, va = data
     path = tiny_factory(Shape(tied=False, n_layer=2, dim=64, n_head=4, n_kv_head=2, ffn_dim=128))
@@ -343,7 +345,9 @@ def test_joined_deltas_train_as_the_deltas_added(tiny_factory, data, monkeypatch
     eager = src.fine_tune(tr, va, steps=4, **kw)
     assert set(joins) == {(3, False), (2, True), (1, False)}     # q, k, v; gate, up; o and down
     assert set(grads) == {(3, 64, 0), (2, 64, 0), (1, 64, 0), (1, 128, 24)}     # the same; down's joins
-    added = dense.with_training_profile(**profile).lora(**lora_kw).fine_tune(tr, va, steps=4, **kw)
+    with monkeypatch.context() as m:
+        m.setattr(loop, "room", lambda model, dtype: {})
+        added = dense.with_training_profile(**profile).lora(**lora_kw).fine_tune(tr, va, steps=4, **kw)
     assert np.allclose(eager._state.losses, added._state.losses, rtol=1e-3, atol=0)
     graphed = src.with_training_profile(nf4_kernel="decoded_kept", cuda_graphs=True, **profile)
     four = graphed.fine_tune(tr, va, steps=2, **kw).resume(tr, va, steps=2)
@@ -382,10 +386,12 @@ def assert_trained_as_made_apart(gated, graphed, apart, gated_grads, apart_grads
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
                     reason="Hopper GPU only (the Gluon kernels)")
-def test_swiglu_inside_the_gemms_trains_as_made_apart(tiny_factory, data, monkeypatch):
-    """QLoRA as the throughput rows run it, rank 16 on all seven projections: gate's and up's
-    product makes h in its kernel and down's input gradient gives theirs (`kernels.lora.gated_mlp`,
-    each layer once a micro-batch each way); recorded graphs give the eager bits; the first loss
+@pytest.mark.parametrize("storage", ["nf4", "float32"])
+def test_swiglu_inside_the_gemms_trains_as_made_apart(tiny_factory, data, monkeypatch, storage):
+    """QLoRA as the throughput rows run it, rank 16 on all seven projections, and LoRA over the
+    casts kept with room for the joins (`train.loop.kept_casts`): gate's and up's product makes h
+    in its kernel and down's input gradient gives theirs (`kernels.lora.gated_mlp`, each layer
+    once a micro-batch each way); recorded graphs give the eager bits; the first loss
     has the bits of the projections and the SwiGLU made apart (the forward's outputs are theirs),
     the next ones are theirs to 1e-3 and the first update's gradients to 2e-2 of each tensor's
     largest (6.3e-3 measured on the H100: gate's and up's input gradient is one GEMM over the pair,
@@ -395,20 +401,22 @@ def test_swiglu_inside_the_gemms_trains_as_made_apart(tiny_factory, data, monkey
     from aner.kernels import mlp
     tr, va = data
     path = tiny_factory(Shape(tied=False, n_layer=2, dim=64, n_head=4, n_kv_head=2, ffn_dim=128))
-    packed = gen.import_model(path, device=DEV).nf4()
-    profile = dict(precision="bfloat16", adapter_kernel="fused", layer_kernel="fused", nf4_kernel="decoded_kept")
+    base = gen.import_model(path, device=DEV)
+    profile = dict(precision="bfloat16", adapter_kernel="fused", layer_kernel="fused")
+    if storage == "nf4":
+        base, profile = base.nf4(), dict(profile, nf4_kernel="decoded_kept")
     kw = dict(micro_batch=2, rate=1e-3, seed=4)
     calls, forward, backward = [], mlp.gated_forward, mlp.gated_backward
     monkeypatch.setattr(mlp, "gated_forward", lambda *a, **k: calls.append("forward") or forward(*a, **k))
     monkeypatch.setattr(mlp, "gated_backward", lambda *a: calls.append("backward") or backward(*a))
-    src = packed.with_training_profile(**profile).lora(rank=16, seed=1, targets=list(ALIASES))
+    src = base.with_training_profile(**profile).lora(rank=16, seed=1, targets=list(ALIASES))
     with first_update_gradients(monkeypatch) as gated_grads:
         gated = src.fine_tune(tr, va, steps=2, **kw)
     assert calls.count("forward") >= 4 and calls.count("backward") == 4     # 2 layers x 2 updates; validation too
     graphed = src.with_training_profile(cuda_graphs=True, **profile).fine_tune(tr, va, steps=2, **kw)
     calls.clear()
     no_down = [t for t in ALIASES if t != "mlp.down_proj"]
-    packed.with_training_profile(**profile).lora(rank=16, seed=1, targets=no_down).fine_tune(tr, va, steps=1, **kw)
+    base.with_training_profile(**profile).lora(rank=16, seed=1, targets=no_down).fine_tune(tr, va, steps=1, **kw)
     assert not calls
     monkeypatch.setattr(LoRALinear, "gated_mlp", staticmethod(lambda *args: None))
     with first_update_gradients(monkeypatch) as apart_grads:

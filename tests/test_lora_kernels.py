@@ -269,19 +269,27 @@ def test_scaled_gradients_written_by_reduce_tokens(split):
     assert torch.equal(L.reduce_tokens(g[:0], parts[:, :0], tiles, scale=2 / 3), torch.zeros(n, r, device=DEV))
 
 
-def test_deltas_joined_to_decoded_products():
-    """Bases whose operand is decoded for each product (NF4, decoded_kept), outputs at least 4x as
-    wide as x (gate and up): each delta joins its base's GEMM along K, one rounding of
-    x @ W^T + u @ B^T with u's products to 2^-15 of |u| @ |B| (no rounding of a delta of its own);
-    the gradients as on the delta path, through the kept decodes' columns; the same bits twice.
-    An FP16 x, a rank not a multiple of 8, a Dense base or outputs narrower than 4x take the delta
-    path. Under the interpreter, which rounds to BF16 toward zero, within a whole BF16 step."""
+@pytest.mark.parametrize("kind", ["decode", "cast"])
+def test_deltas_joined_to_decoded_products(kind):
+    """Bases whose operand is decoded for each product (NF4, decoded_kept), or casts kept with
+    columns to spare beside them (`train.loop.lay_out`, as LoRA's frozen bases are laid out for a
+    run), outputs at least 4x as wide as x (gate and up): each delta joins its base's GEMM along K,
+    one rounding of x @ W^T + u @ B^T with u's products to 2^-15 of |u| @ |B| (no rounding of a
+    delta of its own); the gradients as on the delta path, through the kept operands' columns; the
+    same bits twice. An FP16 x, a rank not a multiple of 8, a Dense base without that room or
+    outputs narrower than 4x take the delta path. Under the interpreter, which rounds to BF16
+    toward zero, within a whole BF16 step."""
     from aner.kernels.nf4 import DevicePacked
     from aner.quant.module import NF4Module
     from aner.quant.nf4 import NF4Weight
+    from aner.train.loop import lay_out
     M, n_in, shapes = 300, 64, [(192, 8), (320, 16)]            # (out, rank): a partial tile, unequal ranks
     weights = [NF4Weight.quantize(torch.randn(n, n_in) * 0.05) for n, _ in shapes]
-    bases = [NF4Module(w, device_copy=DevicePacked.from_weight(w, DEV), decoded=True, kept=True) for w in weights]
+    decodes = [NF4Module(w, device_copy=DevicePacked.from_weight(w, DEV), decoded=True, kept=True) for w in weights]
+    bases = decodes
+    if kind == "cast":
+        bases = [Dense(base.operand(torch.bfloat16).float()) for base in decodes]
+        lay_out(bases, {id(bases[0]): (24, 0, 0), id(bases[1]): (0, 48, 0)}, torch.bfloat16)
     x = torch.randn(M, n_in, device=DEV).bfloat16().requires_grad_(True)
     a_s = [(torch.randn(r, n_in, device=DEV) / n_in ** 0.5).requires_grad_(True) for _, r in shapes]
     b_s = [(torch.randn(n, r, device=DEV) * 0.1).requires_grad_(True) for n, r in shapes]
@@ -291,6 +299,12 @@ def test_deltas_joined_to_decoded_products():
     assert L._joined(bases, x, torch.bfloat16, [8, 12]) is None
     assert L._joined([bases[0], frozen_base(n_in, 320)], x, torch.bfloat16, [8, 16]) is None
     assert L._joined(bases[:1], x, torch.bfloat16, [8]) is None            # 192 < 4 x 64
+    if kind == "cast":      # the room is the two weights paired (`_paired`) as it lies: no copy, the decodes' bits
+        wide = L._joined(bases, x, torch.bfloat16, [8, 16])[0]
+        with torch.no_grad():
+            paired = L._paired(bases, wide, b_s, (1.0, 0.5), torch.bfloat16)
+            assert paired.data_ptr() == bases[0].room[0].data_ptr()
+            assert torch.equal(paired, L._paired(decodes, wide, b_s, (1.0, 0.5), torch.bfloat16))
     runs = []
     for _ in range(2):
         for t in (x, *a_s, *b_s):
@@ -308,18 +322,21 @@ def test_deltas_joined_to_decoded_products():
                 within_a_step)
 
 
-def test_input_gradient_joined_to_decoded_product(monkeypatch):
-    """A base whose operand is decoded for each product (NF4, decoded and decoded_kept) and an
-    input at least twice as wide as its output (down): du @ A joins the input gradient's GEMM
-    along K, one rounding of g @ W + du @ A with du's products to 2^-15 of |du| @ |A| (no
-    rounding of du @ A of its own), the forward's product reading the rows above the decode's
-    spare ones; the output and the factors' gradients as on the other path; the same bits twice,
-    and with the decode kept or made again. An FP16 x, a rank not a multiple of 8, a Dense base, an
-    input under twice the output or two bases take the other path. Under the interpreter, which
-    rounds to BF16 toward zero, within a whole BF16 step."""
+@pytest.mark.parametrize("kind", ["decode", "cast"])
+def test_input_gradient_joined_to_decoded_product(monkeypatch, kind):
+    """A base whose operand is decoded for each product (NF4, decoded and decoded_kept), or a cast
+    kept with rows to spare under it (`train.loop.lay_out`), and an input at least twice as wide
+    as its output (down): du @ A joins the input gradient's GEMM along K, one rounding of
+    g @ W + du @ A with du's products to 2^-15 of |du| @ |A| (no rounding of du @ A of its own),
+    the forward's product reading the rows above the spare ones; the output and the factors'
+    gradients as on the other path; the same bits twice, and with the decode kept or made again.
+    An FP16 x, a rank not a multiple of 8, a Dense base without that room, an input under twice
+    the output or two bases take the other path. Under the interpreter, which rounds to BF16
+    toward zero, within a whole BF16 step."""
     from aner.kernels.nf4 import DevicePacked
     from aner.quant.module import NF4Module
     from aner.quant.nf4 import NF4Weight
+    from aner.train.loop import lay_out
     M, n_in, n_out, r = (300, 256, 96, 16) if not INTERPRET else (37, 128, 40, 8)
     weight = NF4Weight.quantize(torch.randn(n_out, n_in) * 0.05)
     packed = DevicePacked.from_weight(weight, DEV)
@@ -328,6 +345,9 @@ def test_input_gradient_joined_to_decoded_product(monkeypatch):
     b0 = torch.randn(n_out, r, device=DEV) * 0.1
     g = torch.randn(M, n_out, device=DEV).bfloat16()
     base = NF4Module(weight, device_copy=packed, decoded=True, kept=True)
+    if kind == "cast":
+        base = Dense(base.operand(torch.bfloat16).float())
+        lay_out([base], {id(base): (0, 0, 3 * r)}, torch.bfloat16)
     assert L._joined_grad([base], x0, torch.bfloat16, [r]) == 3 * r
     assert L._joined_grad([base], x0.half(), torch.float16, [r]) == 0
     assert L._joined_grad([base], x0, torch.bfloat16, [r + 4]) == 0
@@ -339,7 +359,8 @@ def test_input_gradient_joined_to_decoded_product(monkeypatch):
 
     def run(kept):
         x, a, b = (t.clone().requires_grad_(True) for t in (x0, a0, b0))
-        out = L.adapted_projection(NF4Module(weight, device_copy=packed, decoded=True, kept=kept), x, a, b, 2.0)
+        made = base if kind == "cast" else NF4Module(weight, device_copy=packed, decoded=True, kept=kept)
+        out = L.adapted_projection(made, x, a, b, 2.0)
         out.backward(g)
         return [out.detach(), x.grad, a.grad, b.grad], x, a, b
     runs = [run(True), run(True), run(False)]

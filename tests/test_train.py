@@ -481,3 +481,44 @@ def test_all_finite_finds_any_non_finite_element():
         g = {k: v.clone() for k, v in grads.items()}
         g["b"][np.random.default_rng().integers(30), 3] = bad
         assert not all_finite(g)
+
+
+def test_kept_casts_leave_room_for_the_fused_adapters_joins(tiny_factory):
+    """Under a BF16 policy a fused LoRA adapter's frozen base is cast with the room its joins
+    write (`kernels.lora`): each layer's gate and up in one buffer, [3 r | W | 3 r] a row (zeros
+    where no join writes: `_paired`'s matrix as it lies), down with 3 r rows under it; q, k, v and
+    o with none (their products take no join), nor any base under a rank that is not a multiple of
+    8, FP16 or the torch adapters. The casts hold the weights' values, and every cast and room is
+    dropped when the run ends."""
+    from aner.model.build import build
+    from aner.model.llama import Dense, side_by_side
+    from aner.train.loop import kept_casts
+    from aner.train.profile import Profile
+    from fixtures import Shape
+    path = tiny_factory(Shape(tied=False, n_layer=2, dim=64, n_head=4, n_kv_head=2, ffn_dim=128))
+
+    def model(rank, kernel="fused"):
+        src = gen.import_model(path).lora(rank=rank, seed=1, targets=list(ALIASES))
+        return build(src._source.config, src._weights, src._method, src._adapter_tensors, adapter_kernel=kernel)
+    m = model(8)
+    with kept_casts(m, {}, Profile(precision="bfloat16")):
+        for layer in m.layers:
+            gate, up, down = layer.ffn_gate.base, layer.ffn_up.base, layer.ffn_down.base
+            (g, left), (u, left_up) = gate.room, up.room
+            assert left == left_up == 24 and g.shape == u.shape == (128, 24 + 64 + 24)
+            assert side_by_side([g, u], 0) is not None
+            for base, part in ((gate, g), (up, u)):
+                assert torch.equal(part[:, 24:88], base.weight.bfloat16())
+                assert part[:, 24:88].data_ptr() == base.cast.data_ptr()
+            assert not g[:, 88:].any() and not u[:, :24].any() and not g[:, :24].any() and not u[:, 88:].any()
+            d, at = down.room
+            assert at == 0 and d.shape == (64 + 24, 128) and torch.equal(d[:64], down.weight.bfloat16())
+            assert d[:64].data_ptr() == down.cast.data_ptr()
+            assert all(p.base.room is None and p.base.cast is not None
+                       for p in (layer.attn_q, layer.attn_k, layer.attn_v, layer.attn_output))
+    assert all(d.room is None and d.cast is None for d in m.modules() if type(d) is Dense)
+    for rank, precision, kernel in ((4, "bfloat16", "fused"), (8, "float16", "fused"), (8, "bfloat16", "torch")):
+        m = model(rank, kernel)
+        with kept_casts(m, {}, Profile(precision=precision)):
+            assert all(d.room is None and d.cast is not None for d in m.modules() if type(d) is Dense
+                       and d.weight.dim() == 2 and d is not m.tok_embd)

@@ -18,18 +18,19 @@ product to it in FP32 (beta = 1: the GEMM reads it in its epilogue), rounding th
 backward expand writes du @ A and the bases' input-gradient GEMMs add onto it. No pass reads a
 base's output again, and the delta's rounding is relative to the delta, not to the base's
 product. Where the outputs are at least 4x as wide as x (gate and up) and the bases' weights are
-decoded for each product, the delta joins the GEMM instead (`_joined`): project writes x and u's
-BF16 parts side by side, the decode leaves columns for B's, and one GEMM makes the sum: no delta
-is written or read. In reverse, where x is at least twice as wide as the output (down), du @ A
-joins the input gradient's GEMM (`_joined_grad`): g and du's parts side by side, A's under the
-decoded weight. Any other base's output is read by expand, which adds the delta to it in FP32
-and rounds once. Projections that read one input (q, k, v; gate, up) go together
-(`adapted_projections`): their A's stacked, x is read once by project and once by reduce_tokens,
-and one expand writes du @ A for the input gradient; where their bases' weights lie one under
-another (`_stacked`: decodes kept for backward, dense casts), one GEMM makes all their outputs,
-side by side, and one their input gradient. Where a layer's gate, up and down are all adapted
-over decodes kept for backward, on a Hopper GPU, the SwiGLU between them runs inside those GEMMs
-(`gated_mlp`, `mlp.py`).
+decoded for each product or kept as casts with room (`train.loop.kept_casts`), the delta joins
+the GEMM instead (`_joined`): project writes x and u's BF16 parts side by side, the decode or
+cast has columns beside it for B's, and one GEMM makes the sum: no delta is written or read. In
+reverse, where x is at least twice as wide as the output (down), du @ A joins the input
+gradient's GEMM (`_joined_grad`): g and du's parts side by side, A's under the weight. Any other
+base's output is read by expand, which adds the delta to it in FP32 and rounds once. Projections
+that read one input (q, k, v; gate, up) go together (`adapted_projections`): their A's stacked,
+x is read once by project and once by reduce_tokens, and one expand writes du @ A for the input
+gradient; where their bases' weights lie one under another (`_stacked`: decodes kept for
+backward, dense casts), one GEMM makes all their outputs, side by side, and one their input
+gradient. Where a layer's gate, up and down are all adapted over weights kept for backward with
+that room, on a Hopper GPU, the SwiGLU between them runs inside those GEMMs (`gated_mlp`,
+`mlp.py`).
 
 Each reads its (M, N) operand once in its own dtype (FP32, FP16 or BF16) and computes its
 products to FP32 accuracy, as the adapter policy requires: on the tensor cores through exact BF16
@@ -50,7 +51,7 @@ import triton
 import triton.language as tl
 
 from ..model.llama import Dense, side_by_side
-from . import TARGET_PROGRAMS, joins_deltas
+from . import TARGET_PROGRAMS, joined_columns, joined_rows
 from .fp32 import bf16_parts, fp32_dot, parts_dot, scaled, six_dot
 from .launch import after_prior, launch_options
 from .layer import swiglu_grad
@@ -374,14 +375,13 @@ def _joins(bases, x2d: torch.Tensor, dtype: torch.dtype, ranks) -> bool:
     [B_0's parts hi, hi, mid | W_0], base 1 its last K + 3 r_1 by [W_1 | B_1's parts]: one GEMM
     each makes x @ W_i^T + u_i @ B_i^T, u's products u_hi B_hi + u_mid B_hi + u_hi B_mid (exact in
     FP32; what is left out is below 2^-16 of the leading one), the sum rounded once. No expand
-    writes a delta and no GEMM reads one back. Where: BF16, one or two bases whose operand is made
-    for each product (a decode: `spare_room`), ranks that keep every column 16-byte aligned,
-    and outputs at least 4x as wide as x (gate and up): there the delta's write and read outweigh
-    x's copy and the 3 r more columns of each product; at q, k, v, o and down they do not
-    (`benchmarks/joined_delta.py`)."""
-    return joins_deltas(dtype, ranks) and x2d.dtype == dtype and len(bases) <= 2 \
-        and all(getattr(base, "spare_room", False) for base in bases) \
-        and sum(base.weight.shape[0] for base in bases) >= 4 * x2d.shape[1]
+    writes a delta and no GEMM reads one back. Where: BF16, one or two bases whose operand has
+    columns to spare (`spare_room`: a decode, made for each product, or a cast kept with room),
+    ranks that keep every column 16-byte aligned, and outputs at least 4x as wide as x (gate and
+    up): there the delta's write and read outweigh x's copy and the 3 r more columns of each
+    product; at q, k, v, o and down they do not (`benchmarks/joined_delta.py`)."""
+    return x2d.dtype == dtype and all(getattr(base, "spare_room", False) for base in bases) \
+        and joined_columns([base.weight.shape[0] for base in bases], x2d.shape[1], dtype, ranks) is not None
 
 
 def _joined_product(base, i: int, wide: torch.Tensor, r0: int, b: torch.Tensor, scale: float, dtype: torch.dtype):
@@ -401,13 +401,16 @@ def _paired(bases, wide: torch.Tensor, b_s, scales, dtype: torch.dtype) -> torch
     """Two bases' joined weights (`_joined`) as one matrix over every column of x' (M, 3 r_0 + K +
     3 r_1): base 0's rows [B_0's parts | W_0 | 0], base 1's [0 | W_1 | B_1's parts], so that one
     GEMM makes both outputs (`gated_mlp`). Each row's sum is its joined product's: the zeros add
-    nothing."""
+    nothing. Casts kept with that room (`train.loop.kept_casts`) are that matrix as they lie."""
     (n0, r0), (n1, r1) = b_s[0].shape, b_s[1].shape
     K = wide.shape[1] - 3 * (r0 + r1)
-    w = torch.empty(n0 + n1, wide.shape[1], device=wide.device, dtype=dtype)
+    w = side_by_side([base.operand(dtype, 3 * r0, 3 * r1) for base in bases], 0) \
+        if all(getattr(base, "room", None) for base in bases) else None
+    if w is None:
+        w = torch.empty(n0 + n1, wide.shape[1], device=wide.device, dtype=dtype)
+        for base, part in zip(bases, w.split([n0, n1])):
+            base.operand(dtype, 3 * r0, 3 * r1, out=part)
     w0, w1 = w.split([n0, n1])
-    for base, part in zip(bases, (w0, w1)):
-        base.operand(dtype, 3 * r0, 3 * r1, out=part)
     _spread(b_s[0], w0[:, :3 * r0], scales[0])
     _spread(b_s[1], w1[:, 3 * r0 + K:], scales[1])
     w0[:, 3 * r0 + K:].zero_()
@@ -416,19 +419,18 @@ def _paired(bases, wide: torch.Tensor, b_s, scales, dtype: torch.dtype) -> torch
 
 
 def _joined_grad(bases, x2d: torch.Tensor, dtype: torch.dtype, ranks) -> int:
-    """The rows to spare under the base's decoded weight (3 r) when its input gradient joins du @ A
+    """The rows to spare under the base's weight (3 r) when its input gradient joins du @ A
     to its GEMM along K, else 0: `_joined` in reverse.
 
     g' (M, N + 3 r) BF16 = [g | du's parts hi, mid, hi], written by project as it reads g, times
-    [W; A's parts hi; hi; mid] (the decode's spare rows) makes g @ W + du @ A in one GEMM, du's
-    products as `_joined` makes u's, the sum rounded once: no expand writes du @ A and no GEMM
-    reads it back. Where: one base whose operand is made for each product (a decode), BF16, ranks
+    [W; A's parts hi; hi; mid] (the spare rows) makes g @ W + du @ A in one GEMM, du's products
+    as `_joined` makes u's, the sum rounded once: no expand writes du @ A and no GEMM reads it
+    back. Where: one base whose operand has rows to spare (`spare_room`), BF16, ranks
     that keep every column 16-byte aligned, and an input at least twice as wide as the output
     (down): there that write and read (4 M K bytes) outweigh g's copy (2 M N) at least fourfold."""
-    if not joins_deltas(dtype, ranks) or x2d.dtype != dtype or len(bases) != 1 \
-            or not getattr(bases[0], "spare_room", False) or x2d.shape[1] < 2 * bases[0].weight.shape[0]:
+    if x2d.dtype != dtype or not all(getattr(base, "spare_room", False) for base in bases):
         return 0
-    return 3 * ranks[0]
+    return joined_rows([base.weight.shape[0] for base in bases], x2d.shape[1], dtype, ranks)
 
 
 def _joined_input_grad(base, w: torch.Tensor | None, wide: torch.Tensor, a: torch.Tensor, dtype: torch.dtype,
@@ -459,19 +461,19 @@ def _stacked(bases, x2d: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | Non
     in backward (one decoded matrix at a time), a dense weight multiplied as it is (FP32), one base."""
     if len(bases) < 2 or len({base.weight.shape[1] for base in bases}) != 1:
         return None
+    if all(type(base) is Dense and base.weight.dtype != dtype for base in bases):
+        ws = [base.operand(dtype) for base in bases]              # casts: kept for the run, or made here
+        if any(w is None for w in ws):
+            return None
+        stacked = side_by_side(ws, 0)
+        return torch.cat(ws) if stacked is None else stacked
     if all(getattr(base, "spare_room", False) and base.keeps_operand for base in bases):
         rows = [base.weight.shape[0] for base in bases]
         w = torch.empty(sum(rows), bases[0].weight.shape[1], device=x2d.device, dtype=dtype)
         for base, part in zip(bases, w.split(rows)):
             base.operand(dtype, out=part)
         return w
-    if not all(type(base) is Dense and base.weight.dtype != dtype for base in bases):
-        return None
-    ws = [base.operand(dtype) for base in bases]                  # casts: kept for the run, or made here
-    if any(w is None for w in ws):
-        return None
-    stacked = side_by_side(ws, 0)
-    return torch.cat(ws) if stacked is None else stacked
+    return None
 
 
 def _operand_dtype(x: torch.Tensor) -> torch.dtype:
@@ -494,7 +496,7 @@ class _AdaptedProjections(torch.autograd.Function):
     (dx = du @ A, then dx += g_i @ W_i inside each GEMM; with x in another dtype or another kind of
     base, du @ A is added last), so no pass adds them, one GEMM over the stacked weights' rows
     when the gradients come back side by side, or one GEMM with du @ A joined to it along K
-    (`_joined_grad`: the decode then has rows to spare, and the forward's product reads the rows
+    (`_joined_grad`: the operand then has rows to spare, and the forward's product reads the rows
     above them). A weight is kept for backward when the base says so (`keeps_operand`: a cast, as
     autograd would keep it; a decode under nf4_kernel="decoded_kept", a joined one as its weight's
     columns, one with rows to spare whole, stacked ones as their one matrix), else made again
@@ -653,10 +655,11 @@ def gated_mlp(x: torch.Tensor, gate, up, down) -> torch.Tensor | None:
     with the SwiGLU inside the GEMMs (`mlp`): gate's and up's products (their deltas joined, their
     weights `_paired`) make h in the same kernel, and down's input gradient (joined, where its
     input is twice its output's width) gives gate's and up's; no pass writes gate and up for the
-    SwiGLU to read, nor dh. Where: gate's and up's deltas join (`_joins`), every base's decode is
-    kept for backward, gate and up are as wide (a multiple of 8: up's output 16-byte aligned beside
-    gate's) and the kernel takes x (a Hopper GPU); None elsewhere, for the caller to make the
-    projections and the SwiGLU apart. The SwiGLU is the fused kernel's (`layer.swiglu`)."""
+    SwiGLU to read, nor dh. Where: gate's and up's deltas join (`_joins`), every base's operand is
+    kept for backward (a decode under decoded_kept, or a cast), gate and up are as wide (a
+    multiple of 8: up's output 16-byte aligned beside gate's) and the kernel takes x (a Hopper
+    GPU); None elsewhere, for the caller to make the projections and the SwiGLU apart. The SwiGLU
+    is the fused kernel's (`layer.swiglu`)."""
     lead = x.shape[:-1]
     x2d = x.reshape(-1, x.shape[-1]).contiguous()
     dtype = _operand_dtype(x2d)

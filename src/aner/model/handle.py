@@ -210,11 +210,7 @@ class PretrainedModel:
         tiles, the largest matrix in the operand dtype for the decoded products, or with
         decoded_kept every matrix that is multiplied whole (all but an untied embedding, which is
         only looked up): the forward keeps each for its backward, and the head is decoded last.
-        An adapted matrix counts 3 r columns or rows more, along its longer side, where the fused
-        adapter kernels may join its delta to its product or du @ A to its input gradient
-        (`kernels.joins_deltas`; every target, whatever its shape), and a layer's gate and up 6 r
-        where its down is adapted too (their weights paired for the SwiGLU inside the GEMM,
-        `kernels.lora.gated_mlp`)."""
+        An adapted matrix counts its room to spare (`_spare`)."""
         kernel = self._profile.nf4_kernel
         if self._storage == "float32" or kernel == "fused":
             return 0
@@ -222,13 +218,22 @@ class PretrainedModel:
             return 4 << 20
         itemsize = self._profile.compute_dtype.itemsize
         looked_up = "token_embd.weight" if "output.weight" in self._weights else None
-        method = self._method.config if self._method is not None else None
-        joins = method is not None and self._profile.adapter_kernel == "fused" \
-            and joins_deltas(self._profile.compute_dtype, [method.rank])
-        spare = {t: 3 * method.rank * (1 + _paired(t, method.targets)) for t in method.targets} if joins else {}
+        spare = self._spare()
         sizes = [(w.shape[0] * w.shape[1] + spare.get(n, 0) * max(w.shape)) * itemsize for n, w in self._weights.items()
                  if not isinstance(w, torch.Tensor) and n != looked_up]
         return sum(sizes) if kernel == "decoded_kept" else max(sizes)
+
+    def _spare(self) -> dict:
+        """target -> the columns or rows to count beside its decode or cast, along its longer side:
+        3 r where the fused adapter kernels may join its delta to its product or du @ A to its
+        input gradient (`kernels.joins_deltas`; every target, whatever its shape), and a layer's gate
+        and up 6 r where its down is adapted too (their weights paired for the SwiGLU inside the
+        GEMM, `kernels.lora.gated_mlp`)."""
+        method = self._method.config if self._method is not None else None
+        if method is None or self._profile.adapter_kernel != "fused" \
+                or not joins_deltas(self._profile.compute_dtype, [method.rank]):
+            return {}
+        return {t: 3 * method.rank * (1 + _paired(t, method.targets)) for t in method.targets}
 
     # ---- placement and profile --------------------------------------------------------------
     def to(self, device) -> "PretrainedModel":
@@ -375,10 +380,12 @@ class PretrainedModel:
     def _kept_bytes(self, micro_batch: int, context: int) -> int:
         """What backward keeps over one micro-batch: the activations (and the loss's transient
         chunk), the adapters' products' own, and under FP16/BF16 the operand-dtype copies of
-        floating matrices that their products save."""
+        floating matrices that their products save, with their room to spare (`_spare`)."""
         p, c = self._profile, self._source.config
         itemsize = p.compute_dtype.itemsize
-        casts = 0 if itemsize == 4 else sum(w.numel() * itemsize for w in self._weights.values()
+        spare = self._spare()
+        casts = 0 if itemsize == 4 else sum((w.numel() + spare.get(n, 0) * max(w.shape)) * itemsize
+                                            for n, w in self._weights.items()
                                             if isinstance(w, torch.Tensor) and w.dim() == 2)
         adapters = 0
         if self._method is not None:

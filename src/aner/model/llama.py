@@ -36,6 +36,13 @@ class Dense(nn.Module):
         super().__init__()
         self.weight = weight
         self.cast = None   # the weight's cast, kept for a training run (`train.loop.kept_casts`)
+        self.room = None   # (buffer, left): the cast at the buffer's first rows from column left, with
+        #                    columns beside it and rows under it to spare for an adapter's joins
+
+    @property
+    def spare_room(self) -> bool:
+        """Whether its kept cast has columns or rows to spare (`kernels.lora`'s joins)."""
+        return self.room is not None
 
     def forward(self, x):
         if not torch.is_autocast_enabled(x.device.type):
@@ -87,10 +94,22 @@ class Dense(nn.Module):
             return self.cast
         return self.weight.detach().to(dtype)
 
-    def operand(self, dtype):
+    def operand(self, dtype, left: int = 0, right: int = 0, below: int = 0, out: torch.Tensor | None = None):
         """A frozen weight as a product's operand in `dtype` (the weight itself when stored in it,
-        its kept cast during a run); None for a trained one."""
-        return None if self.weight.requires_grad else self.cast_to(dtype)
+        its kept cast during a run); None for a trained one. With `left` and `right` columns
+        beside it and `below` rows under it (an adapter's joins, `kernels.lora`), the view of
+        the kept cast's room that holds them, as the joins last wrote them; copied into `out`
+        when given."""
+        if self.weight.requires_grad:
+            return None
+        if left or right or below:
+            buffer, at = self.room
+            N, K = self.weight.shape
+            assert left <= at and at + K + right <= buffer.shape[1] and N + below <= buffer.shape[0]
+            w = buffer[:N + below, at - left:at + K + right]
+        else:
+            w = self.cast_to(dtype)
+        return w if out is None else out.copy_(w)
 
     def lookup(self, tokens):
         return F.embedding(tokens, self.weight)

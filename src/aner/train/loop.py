@@ -21,6 +21,7 @@ import torch
 
 from ..adapters.base import seeded
 from ..errors import ConfigError, DataError
+from ..kernels import joined_columns, joined_rows
 from ..model.llama import Dense
 from .loss import batch, gradients, summed_loss
 from .optim import AdamW, all_finite, clip_divisor
@@ -145,29 +146,58 @@ def kept_casts(model, trainable: dict, profile: Profile):
     value; yielded, name -> tensor); a frozen one's (an adapter's base, a frozen head) stays valid
     for the run. A layer's group of projections that read one input (`Block.GROUPS`; for adapted
     ones, their frozen bases) has its casts laid one under another in one buffer, so that their
-    products can be one GEMM. The admission already counts these casts: backward keeps them all at
-    its start. They are dropped when the run ends, however it ends."""
+    products can be one GEMM. A fused LoRA adapter's base whose products its joins take (`room`)
+    has columns beside its cast and rows under it to spare, as a decode has. The admission already
+    counts these casts: backward keeps them all at its start. They are dropped when the run ends,
+    however it ends."""
     table = None if model.head() is model.tok_embd else model.tok_embd    # looked up in FP32, never cast
     cast = [m for m in model.modules() if type(m) is Dense and m is not table and m.weight.dim() == 2] \
         if profile.precision != "float32" else []
     groups = [[getattr(m, "base", m) for m in group] for layer in model.layers for group in layer.groups()]
     groups = [g for g in groups if all(m in cast for m in g) and len({m.weight.shape[1] for m in g}) == 1]
     grouped = {id(m) for group in groups for m in group}
+    spare = room(model, profile.compute_dtype) if cast else {}
     trained = {id(w): n for n, w in trainable.items()}
     try:
-        for group in groups:
-            rows = [m.weight.shape[0] for m in group]
-            stacked = torch.empty(sum(rows), group[0].weight.shape[1], dtype=profile.compute_dtype,
-                                  device=group[0].weight.device)
-            for m, part in zip(group, stacked.split(rows)):
-                m.cast = part.copy_(m.weight.detach())
-        for m in cast:
-            if id(m) not in grouped:
-                m.cast = m.weight.detach().to(profile.compute_dtype)
+        for block in groups + [[m] for m in cast if id(m) not in grouped]:
+            lay_out(block, spare, profile.compute_dtype)
         yield {trained[id(m.weight)]: m.cast for m in cast if id(m.weight) in trained}
     finally:
         for m in cast:
-            m.cast = None
+            m.cast = m.room = None
+
+
+def lay_out(block, spare: dict, dtype) -> None:
+    """Casts of `block`'s Dense modules (one input width) to `dtype`, one under another in one new
+    buffer (`Dense.cast`), with the room that `spare` asks (id -> (left, right, below);
+    `Dense.room`): the block's largest left and right columns beside every cast, zeros until a
+    join writes them, and its largest below rows under the last."""
+    left, right, below = (max(spare.get(id(m), (0, 0, 0))[i] for m in block) for i in range(3))
+    rows, K = [m.weight.shape[0] for m in block], block[0].weight.shape[1]
+    buffer = (torch.zeros if left or right else torch.empty)(sum(rows) + below, left + K + right, dtype=dtype,
+                                                            device=block[0].weight.device)
+    for m, part in zip(block, buffer.split(rows[:-1] + [rows[-1] + below])):
+        m.cast = part[:m.weight.shape[0], left:left + K].copy_(m.weight.detach())
+        m.room = (part, left) if left or right or below else None
+
+
+def room(model, dtype) -> dict:
+    """id(base) -> (left, right, below): the columns beside and rows under a frozen base's cast
+    that its fused LoRA adapter's joins write (`kernels.joined_columns`, `kernels.joined_rows`),
+    for the bases whose products take them; a layer's group of projections that read one input
+    goes through the kernels together when all are such adapters, else each on its own."""
+    from ..adapters.lora import LoRALinear
+    out = {}
+    for layer in model.layers:
+        for group in (*layer.groups(), (layer.attn_output,), (layer.ffn_down,)):
+            adapted = [m for m in group if type(m) is LoRALinear and m.fused and type(m.base) is Dense]
+            for together in [adapted] if len(adapted) == len(group) else [[m] for m in adapted]:
+                widths, ranks = [m.base.weight.shape[0] for m in together], [m.lora_a.shape[0] for m in together]
+                K = together[0].base.weight.shape[1]
+                columns = joined_columns(widths, K, dtype, ranks) or [(0, 0)] * len(together)
+                below = joined_rows(widths, K, dtype, ranks)
+                out.update({id(m.base): (*c, below) for m, c in zip(together, columns) if c != (0, 0) or below})
+    return out
 
 
 def _run(model, params, trainable, method, training, validation, state, steps, device, progress, on_update,

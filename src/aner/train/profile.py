@@ -35,8 +35,9 @@
                                               formula, its reductions in another order. On a
                                               Hopper GPU the MLP's SwiGLU runs inside its GEMMs
                                               where gate, up and down are all trained, or all
-                                              adapted over kept NF4 decodes in BF16
-                                              (`kernels/mlp.py`; the same bits forward)
+                                              adapted by fused LoRA over floating weights or
+                                              kept NF4 decodes in BF16 (`kernels/mlp.py`; the
+                                              same bits forward)
     attention_kernel (layer_kernel's) | torch | fused | cudnn   how attention runs on a GPU: as
                                               layer_kernel says (the default), torch's
                                               scaled_dot_product_attention, ours
