@@ -14,16 +14,18 @@ kernels cover forward and backward:
 
 The frozen base projection runs inside (`adapted_projection`). When it is a GEMM (a dense or
 decoded weight), expand writes the delta rounded to x's dtype and the base's GEMM adds its own
-product to it in FP32 (beta = 1: the GEMM reads it in its epilogue), rounding the sum once; in
-backward expand writes du @ A and the bases' input-gradient GEMMs add onto it. No pass reads a
-base's output again, and the delta's rounding is relative to the delta, not to the base's
-product. Where the outputs are at least 4x as wide as x (gate and up) and the bases' weights are
-decoded for each product or kept as casts with room (`train.loop.kept_casts`), the delta joins
-the GEMM instead (`_joined`): project writes x and u's BF16 parts side by side, the decode or
-cast has columns beside it for B's, and one GEMM makes the sum: no delta is written or read. In
-reverse, where x is at least twice as wide as the output (down), du @ A joins the input
-gradient's GEMM (`_joined_grad`): g and du's parts side by side, A's under the weight. Any other
-base's output is read by expand, which adds the delta to it in FP32 and rounds once. Projections
+product to it (beta = 1: the GEMM reads it in its epilogue); in backward expand writes du @ A and
+the bases' input-gradient GEMMs add onto it. No pass reads a base's output again. cuBLAS's BF16
+epilogue does not round the sum once: at an update's shapes it keeps about 30% of a delta below
+half the output's step, as if it rounded its product before adding (`benchmarks/delta_rounding.py`;
+the torch ops round twice too). Where the outputs are at least 4x as wide as x (gate and up) and
+the bases' weights are decoded for each product or kept as casts with room
+(`train.loop.kept_casts`), the delta joins the GEMM instead (`_joined`): project writes x and u's
+BF16 parts side by side, the decode or cast has columns beside it for B's, and one GEMM makes the
+sum, rounded once (a small delta kept whole): no delta is written or read. In reverse, where x
+is at least twice as wide as the output (down), du @ A joins the input gradient's GEMM
+(`_joined_grad`): g and du's parts side by side, A's under the weight. Any other base's output
+is read by expand, which adds the delta to it in FP32 and rounds once. Projections
 that read one input (q, k, v; gate, up) go together (`adapted_projections`): their A's stacked,
 x is read once by project and once by reduce_tokens, and one expand writes du @ A for the input
 gradient; where their bases' weights lie one under another (`_stacked`: decodes kept for
