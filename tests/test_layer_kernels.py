@@ -308,7 +308,6 @@ def test_swiglu_inside_the_gemms(shape, dtype):
         wz[F:, :j] = 0
         skipped = mlp.gated_forward(x, wz[:F], wz[F:], gate_cols=K - j, up_first=j)
         assert all(torch.equal(a, b) for a, b in zip(skipped, mlp.gated_forward(x, wz[:F], wz[F:])))
-        torch.full((M, 3 * F), float("nan"), device=DEV, dtype=dtype)
         dgate, dup = mlp.gated_backward(g, wd, gate, up)
         want = swiglu_grad(gate, up, g @ wd)
         if exact:

@@ -52,7 +52,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..model.llama import Dense, side_by_side
+from ..model.llama import Dense, one_under_another, side_by_side
 from . import TARGET_PROGRAMS, joined_columns, joined_rows
 from .fp32 import bf16_parts, fp32_dot, parts_dot, scaled, six_dot
 from .launch import after_prior, launch_options
@@ -467,8 +467,7 @@ def _stacked(bases, x2d: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | Non
         ws = [base.operand(dtype) for base in bases]              # casts: kept for the run, or made here
         if any(w is None for w in ws):
             return None
-        stacked = side_by_side(ws, 0)
-        return torch.cat(ws) if stacked is None else stacked
+        return one_under_another(ws)
     if all(getattr(base, "spare_room", False) and base.keeps_operand for base in bases):
         rows = [base.weight.shape[0] for base in bases]
         w = torch.empty(sum(rows), bases[0].weight.shape[1], device=x2d.device, dtype=dtype)

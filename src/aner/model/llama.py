@@ -58,10 +58,9 @@ class Dense(nn.Module):
         dev = x.device.type
         if torch.is_autocast_enabled(dev) and all(m.weight.requires_grad for m in modules):
             dtype = torch.get_autocast_dtype(dev)
-            casts = [m.cast_to(dtype) for m in modules]
-            stacked = side_by_side(casts, 0)    # the kept casts of a group are (`train.loop.kept_casts`)
-            return _TrainedProjections.apply(x, dtype, torch.cat(casts) if stacked is None else stacked,
-                                             [c.shape[0] for c in casts], None, *(m.weight for m in modules))
+            casts = [m.cast_to(dtype) for m in modules]    # a group's kept casts lie so (`train.loop.kept_casts`)
+            return _TrainedProjections.apply(x, dtype, one_under_another(casts), [c.shape[0] for c in casts], None,
+                                             *(m.weight for m in modules))
         return tuple(m(x) for m in modules)
 
     @staticmethod
@@ -82,9 +81,8 @@ class Dense(nn.Module):
         F_ = casts[0].shape[0]
         if casts[1].shape != casts[0].shape or F_ % 8 or not mlp.supported(x2d, *casts):
             return None
-        stacked = side_by_side(casts[:2], 0)
-        g, u, h = _TrainedProjections.apply(x2d, dtype, torch.cat(casts[:2]) if stacked is None else stacked,
-                                            [F_, F_], "gate", gate.weight, up.weight)
+        g, u, h = _TrainedProjections.apply(x2d, dtype, one_under_another(casts[:2]), [F_, F_], "gate", gate.weight,
+                                            up.weight)
         (out,) = _TrainedProjections.apply(h, dtype, casts[2], [casts[2].shape[0]], "down", g, u, down.weight)
         return out.view(*x.shape[:-1], out.shape[-1])
 
@@ -187,6 +185,13 @@ def side_by_side(tensors, dim: int):
             return None
         size[dim] += b.shape[dim]
     return tensors[0].as_strided(size, tensors[0].stride(), tensors[0].storage_offset())
+
+
+def one_under_another(tensors):
+    """`tensors` (of one width) as one matrix, one under another: the view of them where they lie
+    so (`side_by_side`), else a copy."""
+    stacked = side_by_side(tensors, 0)
+    return torch.cat(tensors) if stacked is None else stacked
 
 
 class RMSNorm(nn.Module):
