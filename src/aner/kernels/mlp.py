@@ -34,7 +34,7 @@ from .nf4_ws import _GL, _tile, layout
 BM = 128            # tokens a tile: two warpgroups of 64 rows
 BN = 128            # features a tile (gate's and up's each in the forward)
 FORWARD = (32, 6)   # (reduced elements a step, ring depth): measured at Llama-3.2-1B's MLP (H100)
-BACKWARD = (64, 4)
+BACKWARD = (64, 4, 1)    # (reduced elements a step, ring depth, dh's staging slots)
 GROUP = 8           # token tiles walking the same weight tiles
 
 
@@ -86,6 +86,7 @@ def _multiply(a_bufs, w_bufs, s_bufs, ready, empty, s_ready, s_empty, M, F, K, g
     BMc: gl.constexpr = a_bufs.type.shape[1]
     BK: gl.constexpr = a_bufs.type.shape[2]
     BNc: gl.constexpr = s_bufs.type.shape[2]
+    NS: gl.constexpr = s_ready.type.shape[0]
     R: gl.constexpr = 64
     acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BNc, 16])
     steps = gl.cdiv(K, BK)
@@ -122,12 +123,15 @@ def _multiply(a_bufs, w_bufs, s_bufs, ready, empty, s_ready, s_empty, M, F, K, g
         else:
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         mbarrier.arrive(empty.index((h - 1) % S))
-        mbarrier.wait(s_empty.index(0), (j & 1) ^ 1)
-        s_bufs.index(0).slice(ROW0, R).store(acc.to(s_bufs.dtype))
+        k = j % NS
+        mbarrier.wait(s_empty.index(k), ((j // NS) & 1) ^ 1)
         if FWD:
+            s_bufs.index(0).slice(ROW0, R).store(acc.to(s_bufs.dtype))
             s_bufs.index(1).slice(ROW0, R).store(acc2.to(s_bufs.dtype))
+        else:
+            s_bufs.index(k).slice(ROW0, R).store(acc.to(s_bufs.dtype))
         fence_async_shared()
-        mbarrier.arrive(s_ready.index(0))
+        mbarrier.arrive(s_ready.index(k))
         j += 1
 
 
@@ -150,6 +154,7 @@ def _epilogue(s_bufs, e_bufs, s_ready, s_empty, e_ready, gate_desc, up_desc, h_d
     (rows d_rows apart); the next tile's gate and up loaded as soon as these are read."""
     BMc: gl.constexpr = s_bufs.type.shape[1]
     BNc: gl.constexpr = s_bufs.type.shape[2]
+    NS: gl.constexpr = s_ready.type.shape[0]
     W: gl.constexpr = gl.num_warps()
     C: gl.constexpr = 4 * W if FWD else 2 * W           # rows a chunk
     blk: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [W, 1], [1, 0])
@@ -159,7 +164,8 @@ def _epilogue(s_bufs, e_bufs, s_ready, s_empty, e_ready, gate_desc, up_desc, h_d
     j = 0
     for tile in range(gl.program_id(0), tiles, gl.num_programs(0)):
         off_m, off_n = _tile(tile, M, F, BMc, BNc, GROUP)
-        mbarrier.wait(s_ready.index(0), j & 1)
+        k = j % NS
+        mbarrier.wait(s_ready.index(k), (j // NS) & 1)
         if FWD:
             tma.async_copy_shared_to_global(gate_desc, [off_m, off_n], s_bufs.index(0))
             tma.async_copy_shared_to_global(up_desc, [off_m, off_n], s_bufs.index(1))
@@ -177,7 +183,7 @@ def _epilogue(s_bufs, e_bufs, s_ready, s_empty, e_ready, gate_desc, up_desc, h_d
             rows = off_m + gl.arange(0, C, layout=gl.SliceLayout(1, blk))
             cols = off_n + gl.arange(0, BNc, layout=gl.SliceLayout(0, blk))
             for c in gl.static_range(BMc // C):
-                dy = s_bufs.index(0).slice(c * C, C).load(blk).to(gl.float32)
+                dy = s_bufs.index(k).slice(c * C, C).load(blk).to(gl.float32)
                 a = e_bufs.index(0).slice(c * C, C).load(blk).to(gl.float32)
                 b = e_bufs.index(1).slice(c * C, C).load(blk).to(gl.float32)
                 sg = _sigmoid(a)
@@ -185,7 +191,7 @@ def _epilogue(s_bufs, e_bufs, s_ready, s_empty, e_ready, gate_desc, up_desc, h_d
                 mask = ((c * C + rows) < M)[:, None] & (cols < F)[None, :]
                 gl.store(dgate + at, (dy * b * sg * (1.0 + a * (1.0 - sg))).to(dgate.dtype.element_ty), mask=mask)
                 gl.store(dup + at, (dy * a * sg).to(dup.dtype.element_ty), mask=mask)
-            mbarrier.arrive(s_empty.index(0))
+            mbarrier.arrive(s_empty.index(k))
             fence_async_shared()                        # the reads above before the next tile's TMA
             _gate_up(gate_desc, up_desc, e_bufs, e_ready, tile + gl.num_programs(0), tiles, M, F, BMc, BNc, GROUP)
         j += 1
@@ -193,13 +199,13 @@ def _epilogue(s_bufs, e_bufs, s_ready, s_empty, e_ready, gate_desc, up_desc, h_d
 
 @gluon.jit
 def _kernel(a_desc, w_desc, w2_desc, gate_desc, up_desc, h_desc, dgate, dup, d_rows, M, F, K, gate_steps, up_first,
-            FWD: gl.constexpr, S: gl.constexpr, GROUP: gl.constexpr):
+            FWD: gl.constexpr, S: gl.constexpr, NS: gl.constexpr, GROUP: gl.constexpr):
     """Forward (FWD): gate = a @ W_gate^T, up = a @ W_up^T (w_desc, w2_desc: (F, K) each) stored, and
     h. Backward: dh = a @ W (w_desc: (K, F)) and from it, gate and up, dgate and dup. Two MMA
     warpgroups, a loader warp, four epilogue warps (13 warps)."""
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [S] + a_desc.block_type.shape, a_desc.layout)
     w_bufs = gl.allocate_shared_memory(w_desc.dtype, [2 * S if FWD else S] + w_desc.block_type.shape, w_desc.layout)
-    s_bufs = gl.allocate_shared_memory(gate_desc.dtype, [2 if FWD else 1] + gate_desc.block_type.shape,
+    s_bufs = gl.allocate_shared_memory(gate_desc.dtype, [2 if FWD else NS] + gate_desc.block_type.shape,
                                        gate_desc.layout)
     if FWD:
         e_bufs = s_bufs                                 # not used
@@ -207,14 +213,15 @@ def _kernel(a_desc, w_desc, w2_desc, gate_desc, up_desc, h_desc, dgate, dup, d_r
         e_bufs = gl.allocate_shared_memory(gate_desc.dtype, [2] + gate_desc.block_type.shape, gate_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [S, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [S, 1], mbarrier.MBarrierLayout())
-    s_ready = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
-    s_empty = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    s_ready = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
+    s_empty = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
     e_ready = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(S):
         mbarrier.init(ready.index(s), count=1)
         mbarrier.init(empty.index(s), count=2)          # both warpgroups read a slot
-    mbarrier.init(s_ready.index(0), count=2)
-    mbarrier.init(s_empty.index(0), count=1)
+    for k in gl.static_range(NS):
+        mbarrier.init(s_ready.index(k), count=2)
+        mbarrier.init(s_empty.index(k), count=1)
     mbarrier.init(e_ready.index(0), count=1)
     gl.warp_specialize([
         (_multiply, (a_bufs, w_bufs, s_bufs, ready, empty, s_ready, s_empty, M, F, K, gate_steps, up_first, FWD,
@@ -259,7 +266,7 @@ def gated_forward(a: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, gat
     assert gate_steps > up_first // bk          # every step multiplies one of them
     _kernel[_grid(M, F)](_desc(a, (BM, bk)), _desc(w_gate, (BN, bk)), _desc(w_up, (BN, bk)), _desc(gate, (BM, BN)),
                          _desc(up, (BM, BN)), _desc(h, (BM, BN)), h, h, 0, M, F, K, gate_steps, up_first // bk,
-                         FWD=True, S=stages, GROUP=group, num_warps=4, maxnreg=128)
+                         FWD=True, S=stages, NS=1, GROUP=group, num_warps=4, maxnreg=128)
     return gate, up, h
 
 
@@ -271,8 +278,9 @@ def gated_backward(g: torch.Tensor, w: torch.Tensor, gate: torch.Tensor, up: tor
     M, K = g.shape
     F = w.shape[1]
     dgate, dup = torch.empty(M, 2 * F, device=g.device, dtype=g.dtype).split(F, 1)
-    bk, stages = tiles
+    bk, stages, slots = tiles
     w_desc, gate_desc = _desc(w, (bk, BN)), _desc(gate, (BM, BN))
     _kernel[_grid(M, F)](_desc(g, (BM, bk)), w_desc, w_desc, gate_desc, _desc(up, (BM, BN)), gate_desc, dgate, dup,
-                         dgate.stride(0), M, F, K, 0, 0, FWD=False, S=stages, GROUP=group, num_warps=4, maxnreg=128)
+                         dgate.stride(0), M, F, K, 0, 0, FWD=False, S=stages, NS=slots, GROUP=group, num_warps=4,
+                         maxnreg=128)
     return dgate, dup
