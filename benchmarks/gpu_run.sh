@@ -44,8 +44,8 @@
 #   epilogue    benchmarks/mlp_epilogue.py (the SwiGLU inside the MLP's GEMMs against cuBLAS's GEMMs and the SwiGLU
 #               kernel apart, forward and backward, at QLoRA's MLP of each of MODELS, default llama-3.2-1b, also
 #               llama-3.1-8b)                                         -> <date>-h200-mlp-epilogue-<model>.json
-#   mlpprobe    benchmarks/mlp_backward_probe.py (where the gated backward's time above its GEMM goes: dh staged in
-#               one slot or two, and copies with the epilogue's loads or stores left out, timing only)
+#   mlpprobe    benchmarks/mlp_backward_probe.py (where the gated backward's time above its GEMM goes: the kernel, an
+#               earlier tree's (OLD) and copies with the epilogue's loads or stores left out, timing only)
 #                                                                     -> <date>-h200-mlp-backward-probe.json
 #   rounding    benchmarks/delta_rounding.py (how much of a small adapter delta reaches a BF16 output: cuBLAS's GEMM
 #               onto a BF16 C, the fused path's expand and GEMM, the delta joined along K)
@@ -147,7 +147,7 @@ for stage in "$@"; do
                   python3 benchmarks/mlp_epilogue.py "$OUT/$day-h200-mlp-epilogue-$model.json" $model 2>&1 \
                     | tee "$OUT/mlp-epilogue-$model.log"
                 done ;;
-    mlpprobe) PYTHONPATH=$PYTHONPATH:$PWD/benchmarks timeout 300 python3 benchmarks/mlp_backward_probe.py "$OUT/$day-h200-mlp-backward-probe.json" 2>&1 \
+    mlpprobe) PYTHONPATH=$PYTHONPATH:$PWD/benchmarks timeout 300 python3 benchmarks/mlp_backward_probe.py "$OUT/$day-h200-mlp-backward-probe.json" ${OLD:-} 2>&1 \
                 | tee "$OUT/mlp-backward-probe.log" ;;
     rounding) python3 benchmarks/delta_rounding.py "$OUT/$day-h200-delta-rounding.json" 2>&1 | tee "$OUT/delta-rounding.log" ;;
     joint) python3 benchmarks/joint_gemms.py "$OUT/$day-h200-joint-gemms.json" 2>&1 | tee "$OUT/joint-gemms.log" ;;
