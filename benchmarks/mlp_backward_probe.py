@@ -4,7 +4,7 @@ Llama-3.2-1B's MLP: 8 x 1024 tokens, dh = g' @ [W_down; A's parts] (2048 + 48 re
 The kernel as built, an earlier tree's (OLD, a folder holding its `src/`), and, for timing only,
 copies of this tree's with one part of the epilogue's work left out:
 
-    no gate/up loads   the epilogue reads dh where it would read gate and up (none copied)
+    no gate/up loads   the epilogue reads dh where it would read gate and up (no TMA of them)
     no stores          dgate and dup computed, their stores predicated off
     neither            both of the above
 
@@ -27,12 +27,12 @@ from joint_gemms import timed
 from aner.kernels import mlp
 from aner.kernels.layer import swiglu_grad
 
-NO_LOADS = [("        _gate_up(gate, up, e_rows, e_bufs, gl.program_id(0), tiles, M, F, BMc, BNc, GROUP, C, blk)",
+NO_LOADS = [("        _gate_up(gate_desc, up_desc, e_bufs, e_ready, gl.program_id(0), tiles, M, F, BMc, BNc, GROUP)",
              "        pass"),
-            ("async_copy.wait_group(0)", "pass"),
+            ("mbarrier.wait(e_ready.index(0), j & 1)", "pass"),
             ("a = e_bufs.index(0).slice", "a = s_bufs.index(0).slice"),
             ("b = e_bufs.index(1).slice", "b = s_bufs.index(0).slice"),
-            ("_gate_up(gate, up, e_rows, e_bufs, tile + gl.num_programs(0), tiles, M, F, BMc, BNc, GROUP, C, blk)",
+            ("_gate_up(gate_desc, up_desc, e_bufs, e_ready, tile + gl.num_programs(0), tiles, M, F, BMc, BNc, GROUP)",
              "pass")]
 NO_STORES = [("mask = ((c * C + rows) < M)[:, None] & (cols < F)[None, :]\n",       # d_rows = 2F: no row stored
               "mask = ((c * C + rows) < M - 8 * d_rows)[:, None] & (cols < F)[None, :]\n")]

@@ -24,7 +24,6 @@ measured they were cuBLAS's (Llama-3.2-1B's and Llama-3.1-8B's MLP, `benchmarks/
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
@@ -133,31 +132,22 @@ def _multiply(a_bufs, w_bufs, s_bufs, ready, empty, s_ready, s_empty, M, F, K, g
 
 
 @gluon.jit
-def _gate_up(gate, up, e_rows, e_bufs, tile, tiles, M, F, BMc: gl.constexpr, BNc: gl.constexpr, GROUP: gl.constexpr,
-             C: gl.constexpr, blk: gl.constexpr):
-    """The tile's gate and up (rows e_rows apart) copied into e_bufs by the epilogue's warps, each
-    thread the elements it reads back in `blk`, as one group (none past the last tile). Not by TMA:
-    its copies from device memory, queued with the ring's, held the MMAs' operands back (~68 us of
-    the kernel's 548 at Llama-3.2-1B's MLP on an H100, `benchmarks/mlp_backward_probe.py`)."""
+def _gate_up(gate_desc, up_desc, e_bufs, e_ready, tile, tiles, M, F, BMc: gl.constexpr, BNc: gl.constexpr,
+             GROUP: gl.constexpr):
+    """TMA of the tile's gate and up into e_bufs (none past the last tile)."""
     off_m, off_n = _tile(tile, M, F, BMc, BNc, GROUP)
-    rows = off_m + gl.arange(0, C, layout=gl.SliceLayout(1, blk))
-    cols = off_n + gl.arange(0, BNc, layout=gl.SliceLayout(0, blk))
-    for c in gl.static_range(BMc // C):
-        at = (c * C + rows).to(gl.int64)[:, None] * e_rows + cols[None, :]
-        mask = ((c * C + rows) < M)[:, None] & (cols < F)[None, :] & (tile < tiles)
-        async_copy.async_copy_global_to_shared(e_bufs.index(0).slice(c * C, C), gate + at, mask=mask)
-        async_copy.async_copy_global_to_shared(e_bufs.index(1).slice(c * C, C), up + at, mask=mask)
-    async_copy.commit_group()
+    mbarrier.expect(e_ready.index(0), 2 * gate_desc.block_type.nbytes, pred=tile < tiles)
+    tma.async_copy_global_to_shared(gate_desc, [off_m, off_n], e_ready.index(0), e_bufs.index(0), pred=tile < tiles)
+    tma.async_copy_global_to_shared(up_desc, [off_m, off_n], e_ready.index(0), e_bufs.index(1), pred=tile < tiles)
 
 
 @gluon.jit
-def _epilogue(s_bufs, e_bufs, s_ready, s_empty, gate_desc, up_desc, h_desc, gate, up, e_rows, dgate, dup, d_rows, M,
-              F, FWD: gl.constexpr, GROUP: gl.constexpr):
+def _epilogue(s_bufs, e_bufs, s_ready, s_empty, e_ready, gate_desc, up_desc, h_desc, dgate, dup, d_rows, M, F,
+              FWD: gl.constexpr, GROUP: gl.constexpr):
     """The epilogue warps, a tile behind the MMAs. Forward: the staged gate and up stored, then
     h = silu(gate) * up computed into gate's buffer once its store has read it, and stored.
     Backward: dgate and dup from the staged dh and the tile's gate and up, stored from registers
-    (rows d_rows apart, marked as read once); the next tile's gate and up copied as soon as these
-    are read."""
+    (rows d_rows apart); the next tile's gate and up loaded as soon as these are read."""
     BMc: gl.constexpr = s_bufs.type.shape[1]
     BNc: gl.constexpr = s_bufs.type.shape[2]
     W: gl.constexpr = gl.num_warps()
@@ -165,7 +155,7 @@ def _epilogue(s_bufs, e_bufs, s_ready, s_empty, gate_desc, up_desc, h_desc, gate
     blk: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [W, 1], [1, 0])
     tiles = gl.cdiv(M, BMc) * gl.cdiv(F, BNc)
     if not FWD:                                         # the first tile's gate and up
-        _gate_up(gate, up, e_rows, e_bufs, gl.program_id(0), tiles, M, F, BMc, BNc, GROUP, C, blk)
+        _gate_up(gate_desc, up_desc, e_bufs, e_ready, gl.program_id(0), tiles, M, F, BMc, BNc, GROUP)
     j = 0
     for tile in range(gl.program_id(0), tiles, gl.num_programs(0)):
         off_m, off_n = _tile(tile, M, F, BMc, BNc, GROUP)
@@ -183,7 +173,7 @@ def _epilogue(s_bufs, e_bufs, s_ready, s_empty, gate_desc, up_desc, h_desc, gate
             tma.store_wait(0)
             mbarrier.arrive(s_empty.index(0))
         else:
-            async_copy.wait_group(0)                    # each thread's copies of gate and up
+            mbarrier.wait(e_ready.index(0), j & 1)
             rows = off_m + gl.arange(0, C, layout=gl.SliceLayout(1, blk))
             cols = off_n + gl.arange(0, BNc, layout=gl.SliceLayout(0, blk))
             for c in gl.static_range(BMc // C):
@@ -193,21 +183,20 @@ def _epilogue(s_bufs, e_bufs, s_ready, s_empty, gate_desc, up_desc, h_desc, gate
                 sg = _sigmoid(a)
                 at = (c * C + rows).to(gl.int64)[:, None] * d_rows + cols[None, :]
                 mask = ((c * C + rows) < M)[:, None] & (cols < F)[None, :]
-                gl.store(dgate + at, (dy * b * sg * (1.0 + a * (1.0 - sg))).to(dgate.dtype.element_ty), mask=mask,
-                         cache_modifier=".cs")
-                gl.store(dup + at, (dy * a * sg).to(dup.dtype.element_ty), mask=mask, cache_modifier=".cs")
+                gl.store(dgate + at, (dy * b * sg * (1.0 + a * (1.0 - sg))).to(dgate.dtype.element_ty), mask=mask)
+                gl.store(dup + at, (dy * a * sg).to(dup.dtype.element_ty), mask=mask)
             mbarrier.arrive(s_empty.index(0))
-            _gate_up(gate, up, e_rows, e_bufs, tile + gl.num_programs(0), tiles, M, F, BMc, BNc, GROUP, C, blk)
+            fence_async_shared()                        # the reads above before the next tile's TMA
+            _gate_up(gate_desc, up_desc, e_bufs, e_ready, tile + gl.num_programs(0), tiles, M, F, BMc, BNc, GROUP)
         j += 1
 
 
 @gluon.jit
-def _kernel(a_desc, w_desc, w2_desc, gate_desc, up_desc, h_desc, gate, up, e_rows, dgate, dup, d_rows, M, F, K,
-            gate_steps, up_first, FWD: gl.constexpr, S: gl.constexpr, GROUP: gl.constexpr):
+def _kernel(a_desc, w_desc, w2_desc, gate_desc, up_desc, h_desc, dgate, dup, d_rows, M, F, K, gate_steps, up_first,
+            FWD: gl.constexpr, S: gl.constexpr, GROUP: gl.constexpr):
     """Forward (FWD): gate = a @ W_gate^T, up = a @ W_up^T (w_desc, w2_desc: (F, K) each) stored, and
-    h. Backward: dh = a @ W (w_desc: (K, F)) and from it, gate and up (rows e_rows apart; their
-    descriptors give the tiles' shape), dgate and dup. Two MMA warpgroups, a loader warp, four
-    epilogue warps (13 warps)."""
+    h. Backward: dh = a @ W (w_desc: (K, F)) and from it, gate and up, dgate and dup. Two MMA
+    warpgroups, a loader warp, four epilogue warps (13 warps)."""
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [S] + a_desc.block_type.shape, a_desc.layout)
     w_bufs = gl.allocate_shared_memory(w_desc.dtype, [2 * S if FWD else S] + w_desc.block_type.shape, w_desc.layout)
     s_bufs = gl.allocate_shared_memory(gate_desc.dtype, [2 if FWD else 1] + gate_desc.block_type.shape,
@@ -220,19 +209,21 @@ def _kernel(a_desc, w_desc, w2_desc, gate_desc, up_desc, h_desc, gate, up, e_row
     empty = gl.allocate_shared_memory(gl.int64, [S, 1], mbarrier.MBarrierLayout())
     s_ready = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
     s_empty = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    e_ready = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(S):
         mbarrier.init(ready.index(s), count=1)
         mbarrier.init(empty.index(s), count=2)          # both warpgroups read a slot
     mbarrier.init(s_ready.index(0), count=2)
     mbarrier.init(s_empty.index(0), count=1)
+    mbarrier.init(e_ready.index(0), count=1)
     gl.warp_specialize([
         (_multiply, (a_bufs, w_bufs, s_bufs, ready, empty, s_ready, s_empty, M, F, K, gate_steps, up_first, FWD,
                       0)),
         (_multiply, (a_bufs, w_bufs, s_bufs, ready, empty, s_ready, s_empty, M, F, K, gate_steps, up_first, FWD,
                       64)),
         (_loads, (a_desc, w_desc, w2_desc, a_bufs, w_bufs, ready, empty, M, F, K, FWD, GROUP)),
-        (_epilogue, (s_bufs, e_bufs, s_ready, s_empty, gate_desc, up_desc, h_desc, gate, up, e_rows, dgate, dup,
-                     d_rows, M, F, FWD, GROUP)),
+        (_epilogue, (s_bufs, e_bufs, s_ready, s_empty, e_ready, gate_desc, up_desc, h_desc, dgate, dup, d_rows, M,
+                     F, FWD, GROUP)),
     ], [4, 1, 4], [192, 40, 80])
 
 
@@ -267,7 +258,7 @@ def gated_forward(a: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, gat
     gate_steps = -(-(K if gate_cols is None else gate_cols) // bk)
     assert gate_steps > up_first // bk          # every step multiplies one of them
     _kernel[_grid(M, F)](_desc(a, (BM, bk)), _desc(w_gate, (BN, bk)), _desc(w_up, (BN, bk)), _desc(gate, (BM, BN)),
-                         _desc(up, (BM, BN)), _desc(h, (BM, BN)), h, h, 0, h, h, 0, M, F, K, gate_steps, up_first // bk,
+                         _desc(up, (BM, BN)), _desc(h, (BM, BN)), h, h, 0, M, F, K, gate_steps, up_first // bk,
                          FWD=True, S=stages, GROUP=group, num_warps=4, maxnreg=128)
     return gate, up, h
 
@@ -279,11 +270,9 @@ def gated_backward(g: torch.Tensor, w: torch.Tensor, gate: torch.Tensor, up: tor
     `tiles` and `group` as `gated_forward`'s."""
     M, K = g.shape
     F = w.shape[1]
-    assert up.stride(0) == gate.stride(0)       # one row stride for the two (the forward's halves)
     dgate, dup = torch.empty(M, 2 * F, device=g.device, dtype=g.dtype).split(F, 1)
     bk, stages = tiles
     w_desc, gate_desc = _desc(w, (bk, BN)), _desc(gate, (BM, BN))
-    _kernel[_grid(M, F)](_desc(g, (BM, bk)), w_desc, w_desc, gate_desc, gate_desc, gate_desc, gate, up, gate.stride(0),
-                         dgate, dup, dgate.stride(0), M, F, K, 0, 0, FWD=False, S=stages, GROUP=group, num_warps=4,
-                         maxnreg=128)
+    _kernel[_grid(M, F)](_desc(g, (BM, bk)), w_desc, w_desc, gate_desc, _desc(up, (BM, BN)), gate_desc, dgate, dup,
+                         dgate.stride(0), M, F, K, 0, 0, FWD=False, S=stages, GROUP=group, num_warps=4, maxnreg=128)
     return dgate, dup
