@@ -44,9 +44,9 @@
 #   epilogue    benchmarks/mlp_epilogue.py (the SwiGLU inside the MLP's GEMMs against cuBLAS's GEMMs and the SwiGLU
 #               kernel apart, forward and backward, at QLoRA's MLP of each of MODELS, default llama-3.2-1b, also
 #               llama-3.1-8b)                                         -> <date>-h200-mlp-epilogue-<model>.json
-#   mlpprobe    benchmarks/mlp_backward_probe.py (where the gated backward's time above its GEMM goes: the kernel, an
-#               earlier tree's (OLD) and copies with the epilogue's loads or stores left out, timing only)
-#                                                                     -> <date>-h200-mlp-backward-probe.json
+#   mlpprobe    benchmarks/mlp_probe.py (the SwiGLU inside the MLP's GEMMs against the GEMMs alone, forward and
+#               backward: the kernels, an earlier tree's (OLD), backward rings and epilogue variants, timing only)
+#                                                                     -> <date>-h200-mlp-probe.json
 #   rounding    benchmarks/delta_rounding.py (how much of a small adapter delta reaches a BF16 output: cuBLAS's GEMM
 #               onto a BF16 C, the fused path's expand and GEMM, the delta joined along K)
 #                                                                     -> <date>-h200-delta-rounding.json
@@ -147,8 +147,8 @@ for stage in "$@"; do
                   python3 benchmarks/mlp_epilogue.py "$OUT/$day-h200-mlp-epilogue-$model.json" $model 2>&1 \
                     | tee "$OUT/mlp-epilogue-$model.log"
                 done ;;
-    mlpprobe) PYTHONPATH=$PYTHONPATH:$PWD/benchmarks timeout 300 python3 benchmarks/mlp_backward_probe.py "$OUT/$day-h200-mlp-backward-probe.json" ${OLD:-} 2>&1 \
-                | tee "$OUT/mlp-backward-probe.log" ;;
+    mlpprobe) PYTHONPATH=$PYTHONPATH:$PWD/benchmarks timeout 300 python3 benchmarks/mlp_probe.py "$OUT/$day-h200-mlp-probe.json" ${OLD:-} 2>&1 \
+                | tee "$OUT/mlp-probe.log" ;;
     rounding) python3 benchmarks/delta_rounding.py "$OUT/$day-h200-delta-rounding.json" 2>&1 | tee "$OUT/delta-rounding.log" ;;
     joint) python3 benchmarks/joint_gemms.py "$OUT/$day-h200-joint-gemms.json" 2>&1 | tee "$OUT/joint-gemms.log" ;;
     lora) python3 benchmarks/lora_kernels.py "$OUT/$day-h200-lora-kernels.json" ${LORA:-} 2>&1 | tee "$OUT/lora-kernels.log" | tail -n 60 ;;
