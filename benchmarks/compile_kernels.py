@@ -13,7 +13,12 @@ is told the target), as a GPU launches it: with what a GPU's defaults choose whe
 cannot (`GPU_CHOICES`) and the launch option a Hopper GPU passes. Exits non-zero if a test fails,
 or a variant fails to compile, or (for Hopper) does not wait first. `--all` also runs the BF16 cases
 the interpreter skips, for their launches (their checks may fail there, and do not count), and
-compiles each launch as the interpreter ran it too."""
+compiles each launch as the interpreter ran it too.
+
+The package's Gluon kernels (Hopper's; the interpreter runs none) are compiled from their host
+functions called on CPU tensors at their tests' shapes, each launch compiled and not run: does it
+compile, does its shared memory fit a Hopper multiprocessor (a launch that asks more fails only on
+the GPU), and does it keep to its partitions' registers (no stack: their counts are set by hand)."""
 import argparse
 import concurrent.futures
 import itertools
@@ -35,6 +40,8 @@ KERNEL_TESTS = ["tests/test_kernels.py", "tests/test_lora_kernels.py", "tests/te
 # through BF16 parts (the interpreter's numpy has no BF16) and the NF4 decode's inline-PTX table.
 GPU_CHOICES = {"TC": True, "LUT": 3}
 RESOURCES = re.compile(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)")
+SHARED_LIMIT = 232448   # bytes of shared memory a Hopper program may ask for
+MLP_SHAPES = [(1024, 560, 1024), (1000, 200, 1352), (64, 64, 128), (4096, 1048, 4096)]   # test_layer_kernels' (M, K, F)
 
 
 class Recorder:
@@ -150,6 +157,12 @@ def compile_all(launches, arch: int, everything: bool) -> dict:
         return dict(sorted(kv for part in parts for kv in part.items()))
 
 
+def _entry(**more) -> dict:
+    """A kernel's record: its launches and variants, what failed, registers and stack; and `more`."""
+    return {"launches": 0, "variants": 0, "failed": [], "registers": [], "stack": 0, "local": 0, "with_stack": [],
+            **more}
+
+
 def _compile(launches, arch: int, everything: bool) -> dict:
     import importlib
 
@@ -161,9 +174,7 @@ def _compile(launches, arch: int, everything: bool) -> dict:
     cuobjdump = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     kernels, seen = {}, set()
     for module, name, args, kwargs in launches:
-        k = kernels.setdefault(name, {"launches": 0, "variants": 0, "failed": [], "registers": [], "stack": 0,
-                                      "local": 0, "waits_first": 0, "no_wait": 0, "memory_before_wait": 0,
-                                      "with_stack": []})
+        k = kernels.setdefault(name, _entry(waits_first=0, no_wait=0, memory_before_wait=0))
         k["launches"] += 1
         fn = getattr(importlib.import_module(module), name)
         for on_gpu in (False, True) if everything else (True,):
@@ -189,6 +200,63 @@ def _compile(launches, arch: int, everything: bool) -> dict:
                 k["waits_first"] += 1
             else:
                 k["memory_before_wait"] += 1
+    return kernels
+
+
+def gluon_launches():
+    """The Gluon kernels' launches as their tests make them (`test_layer_kernels.py`), on CPU tensors."""
+    from aner.kernels import mlp
+    for dtype in (torch.float16, torch.bfloat16):
+        for M, K, F in MLP_SHAPES:
+            x, w = torch.empty(M, K, dtype=dtype), torch.empty(2 * F, K, dtype=dtype)
+            g, wd = torch.empty(M, K, dtype=dtype), torch.empty(K, F, dtype=dtype)
+            j = K // 4 // 16 * 16
+            gate, up, _ = mlp.gated_forward(x, w[:F], w[F:])
+            mlp.gated_forward(x, w[:F], w[F:], gate_cols=K - j, up_first=j)
+            mlp.gated_backward(g, wd, gate, up)
+            mlp.gated_backward(g, wd, gate, up.contiguous())
+
+
+def compile_gluon(arch: int) -> dict:
+    """`gluon_launches` with each launch compiled for sm_<arch>, not run: each kernel's variants."""
+    import triton
+    from triton.experimental.gluon._runtime import GluonJITFunction
+    from triton.runtime import driver
+
+    driver.set_active(Absent(arch))
+    cuobjdump = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    compiled, run, kernels = [], GluonJITFunction.run, {}
+
+    def compile_only(self, *args, grid, warmup, **kwargs):
+        brief = {"arguments": [a for a in args if isinstance(a, (int, float))] + [str(a.dtype).removeprefix("torch.")
+                 for a in args if isinstance(a, torch.Tensor)][:1], "options": {a: v for a, v in kwargs.items()}}
+        compiled.append((f"{self.fn.__module__.rsplit('.', 1)[-1]}.{self.fn.__qualname__}", brief,
+                         run(self, *args, grid=grid, warmup=True, **kwargs)))
+
+    GluonJITFunction.run = compile_only
+    try:
+        gluon_launches()
+    except Exception as e:      # noqa: BLE001 (reported, and fails the run)
+        kernels["launches"] = _entry(shared=0, failed=[f"{type(e).__name__}: {str(e)[:300]}"])
+    finally:
+        GluonJITFunction.run = run
+    seen = set()
+    for name, brief, c in compiled:
+        k = kernels.setdefault(name, _entry(shared=0))
+        k["launches"] += 1
+        if c.hash in seen:
+            continue
+        seen.add(c.hash)
+        k["variants"] += 1
+        r = _resources(c.asm["cubin"], cuobjdump)
+        k["registers"] = sorted({*k["registers"], r["registers"]})
+        k["stack"], k["local"] = max(k["stack"], r["stack"]), max(k["local"], r["local"])
+        k["shared"] = max(k["shared"], c.metadata.shared)
+        if r["stack"]:
+            k["with_stack"].append({**r, **brief})
+            k["failed"].append(f"{brief}: {r['stack']} bytes of stack (registers spilled)")
+        if c.metadata.shared > SHARED_LIMIT:
+            k["failed"].append(f"shared memory {c.metadata.shared} bytes; a Hopper program may ask {SHARED_LIMIT}")
     return kernels
 
 
@@ -219,13 +287,15 @@ def main() -> int:
         os.environ.pop("TRITON_INTERPRET", None)        # compiled here, not interpreted
         import triton
         kernels = compile_all(launches, opts.arch, opts.all)
+        if opts.arch >= 90:
+            kernels |= {f"{name} (Gluon)": k for name, k in compile_gluon(opts.arch).items()}
     failed = sorted(n for n, k in kernels.items()
-                    if k["failed"] or k["memory_before_wait"] or (opts.arch >= 90 and k["no_wait"]))
+                    if k["failed"] or k.get("memory_before_wait") or (opts.arch >= 90 and k.get("no_wait")))
     for name, k in sorted(kernels.items()):
         registers = f"{k['registers'][0]}-{k['registers'][-1]}" if k["registers"] else "-"
+        last = f"shared {k['shared']} B" if "shared" in k else f"wait first {k['waits_first']}/{k['variants']}"
         print(f"{name:24} {k['launches']:4} launches {k['variants']:4} variants  registers {registers}  "
-              f"stack <= {k['stack']}  wait first {k['waits_first']}/{k['variants']}"
-              + "".join(f"\n    FAILED {f}" for f in k["failed"]))
+              f"stack <= {k['stack']}  {last}" + "".join(f"\n    FAILED {f}" for f in k["failed"]))
     if opts.out:
         pathlib.Path(opts.out).write_text(json.dumps(
             {"schema": "aner.compile_kernels/1", "triton": triton.__version__, "arch": opts.arch, "all": opts.all,
