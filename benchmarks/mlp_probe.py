@@ -3,12 +3,12 @@ Llama-3.2-1B's MLP as QLoRA's rows call it (8 x 1024 tokens; forward: x' (2048 +
 columns) @ [W_gate; W_up]^T, 8192 wide each; backward: dh = g' @ [W_down; A's parts], 2096
 reduced, 8192 wide).
 
-The kernels as built, an earlier tree's (OLD, a folder holding its `src/`), the backward with a
-deeper ring of operand tiles, and, for timing only, copies of this tree's with one part of the
-backward's epilogue changed:
+The kernels as built, an earlier tree's (OLD, a folder holding its `src/`), and, for timing only,
+copies of this tree's backward with one part of its epilogue's work left out:
 
-    evict first   gate's and up's loads marked as read once (L2's evict-first policy)
-    no stores     dgate and dup computed, their stores predicated off
+    no gate/up loads   the epilogue reads dh where it would read gate and up (no TMA of them)
+    no stores          dgate and dup computed, their stores predicated off
+    neither            both of the above
 
 Each backward's outputs are checked against the separate path's (cuBLAS's dh, then the SwiGLU
 kernel's backward: the same bits at this shape), the forward's against the earlier tree's where
@@ -30,18 +30,16 @@ from joint_gemms import timed
 from aner.kernels import mlp
 from aner.kernels.layer import swiglu, swiglu_grad
 
-EVICT_FIRST = [("a = gl.load(_rows(gate, rows, g_rows, cols), mask=mask)",
-                "a = gl.load(_rows(gate, rows, g_rows, cols), mask=mask, eviction_policy='evict_first')"),
-               ("b = gl.load(_rows(up, rows, u_rows, cols), mask=mask)",
-                "b = gl.load(_rows(up, rows, u_rows, cols), mask=mask, eviction_policy='evict_first')"),
-               ("a_next = gl.load(_rows(gate, r + C, g_rows, cols), mask=later)",
-                "a_next = gl.load(_rows(gate, r + C, g_rows, cols), mask=later, eviction_policy='evict_first')"),
-               ("b_next = gl.load(_rows(up, r + C, u_rows, cols), mask=later)",
-                "b_next = gl.load(_rows(up, r + C, u_rows, cols), mask=later, eviction_policy='evict_first')")]
-NO_STORES = [("                sg = _sigmoid(a)\n",
-              "                sg = _sigmoid(a)\n                mask = mask & (M < 0)\n")]
-PATCHES = {"evict first": EVICT_FIRST, "no stores": NO_STORES}
-RINGS = [(64, 5), (64, 6), (128, 3)]      # (reduced elements a step, ring depth); the default mlp.BACKWARD
+NO_LOADS = [("        _gate_up(gate_desc, up_desc, e_bufs, e_ready, gl.program_id(0), tiles, M, F, BMc, BNc, GROUP)",
+             "        pass"),
+            ("mbarrier.wait(e_ready.index(0), j & 1)", "pass"),
+            ("a = e_bufs.index(0).slice", "a = s_bufs.index(0).slice"),
+            ("b = e_bufs.index(1).slice", "b = s_bufs.index(0).slice"),
+            ("_gate_up(gate_desc, up_desc, e_bufs, e_ready, tile + gl.num_programs(0), tiles, M, F, BMc, BNc, GROUP)",
+             "pass")]
+NO_STORES = [("mask = ((c * C + rows) < M)[:, None] & (cols < F)[None, :]\n",       # d_rows = 2F: no row stored
+              "mask = ((c * C + rows) < M - 8 * d_rows)[:, None] & (cols < F)[None, :]\n")]
+PATCHES = {"no gate/up loads": NO_LOADS, "no stores": NO_STORES, "neither": NO_LOADS + NO_STORES}
 
 
 def patched(source: pathlib.Path, edits, folder):
@@ -84,8 +82,6 @@ def main(path, old=None):
             out["checks"][f"forward: {name}"] = bool(close) and all(torch.equal(a, b) for a, b in zip(got, reference))
         calls = {name: (lambda module=module: module.gated_backward(g, wd, gate, up))
                  for name, module in kernels.items()}
-        calls |= {f"ring {tiles}": (lambda tiles=tiles: mlp.gated_backward(g, wd, gate, up, tiles=tiles))
-                  for tiles in RINGS}
         for name, call in calls.items():
             out["checks"][f"backward: {name}"] = all(torch.equal(a, b) for a, b in zip(call(), want))
             runs[f"backward: {name}"] = call

@@ -12,8 +12,7 @@ walks tiles of 128 tokens x 128 features with four partitions:
     load      1 warp        a TMA ring of the activation's and the weights' tiles
     epilogue  4 warps       a tile behind the MMAs: forward, gate and up stored by TMA, then h
                             from them; backward, dgate and dup from dh and the tile's gate and
-                            up, stored (both ways between memory and registers: no shared
-                            memory, whose bandwidth the MMAs' operands take)
+                            up (loaded by TMA as soon as the tile before is done), stored
 
 so the tensor cores start the next tile while the epilogue works. The SwiGLU is `layer.swiglu`'s
 arithmetic (FP32, one rounding an output; its correctly rounded division as `rcp.rn`, the same
@@ -25,7 +24,8 @@ measured they were cuBLAS's (Llama-3.2-1B's and Llama-3.1-8B's MLP, `benchmarks/
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                              warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .nf4 import MULTIPROCESSORS, hopper
@@ -126,97 +126,105 @@ def _multiply(a_bufs, w_bufs, s_bufs, ready, empty, s_ready, s_empty, M, F, K, g
         s_bufs.index(0).slice(ROW0, R).store(acc.to(s_bufs.dtype))
         if FWD:
             s_bufs.index(1).slice(ROW0, R).store(acc2.to(s_bufs.dtype))
+        fence_async_shared()
         mbarrier.arrive(s_ready.index(0))
         j += 1
 
 
 @gluon.jit
-def _rows(ptr, rows, stride, cols):
-    """Addresses of `rows` x `cols` of a matrix at `ptr` whose rows are `stride` apart."""
-    return ptr + rows.to(gl.int64)[:, None] * stride + cols
+def _gate_up(gate_desc, up_desc, e_bufs, e_ready, tile, tiles, M, F, BMc: gl.constexpr, BNc: gl.constexpr,
+             GROUP: gl.constexpr):
+    """TMA of the tile's gate and up into e_bufs (none past the last tile)."""
+    off_m, off_n = _tile(tile, M, F, BMc, BNc, GROUP)
+    mbarrier.expect(e_ready.index(0), 2 * gate_desc.block_type.nbytes, pred=tile < tiles)
+    tma.async_copy_global_to_shared(gate_desc, [off_m, off_n], e_ready.index(0), e_bufs.index(0), pred=tile < tiles)
+    tma.async_copy_global_to_shared(up_desc, [off_m, off_n], e_ready.index(0), e_bufs.index(1), pred=tile < tiles)
 
 
 @gluon.jit
-def _epilogue(s_bufs, s_ready, s_empty, gate, up, g_rows, u_rows, out, out2, o_rows, M, F, FWD: gl.constexpr,
-              GROUP: gl.constexpr):
-    """The epilogue warps, a tile behind the MMAs, a chunk of rows at a time, every output stored
-    from registers. Forward: gate and up (rows g_rows and u_rows apart) from the staged products,
-    and h = silu(gate) * up (out, rows o_rows apart). Backward: dgate and dup (out and out2, rows
-    o_rows apart) from the staged dh and the tile's gate and up, the next chunk's gate and up loaded
-    into registers while this one's are used (the first before dh is waited for)."""
+def _epilogue(s_bufs, e_bufs, s_ready, s_empty, e_ready, gate_desc, up_desc, h_desc, dgate, dup, d_rows, M, F,
+              FWD: gl.constexpr, GROUP: gl.constexpr):
+    """The epilogue warps, a tile behind the MMAs. Forward: the staged gate and up stored, then
+    h = silu(gate) * up computed into gate's buffer once its store has read it, and stored.
+    Backward: dgate and dup from the staged dh and the tile's gate and up, stored from registers
+    (rows d_rows apart); the next tile's gate and up loaded as soon as these are read."""
     BMc: gl.constexpr = s_bufs.type.shape[1]
     BNc: gl.constexpr = s_bufs.type.shape[2]
     W: gl.constexpr = gl.num_warps()
-    C: gl.constexpr = 4 * W                             # rows a chunk
+    C: gl.constexpr = 4 * W if FWD else 2 * W           # rows a chunk
     blk: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [W, 1], [1, 0])
+    tiles = gl.cdiv(M, BMc) * gl.cdiv(F, BNc)
+    if not FWD:                                         # the first tile's gate and up
+        _gate_up(gate_desc, up_desc, e_bufs, e_ready, gl.program_id(0), tiles, M, F, BMc, BNc, GROUP)
     j = 0
-    for tile in range(gl.program_id(0), gl.cdiv(M, BMc) * gl.cdiv(F, BNc), gl.num_programs(0)):
+    for tile in range(gl.program_id(0), tiles, gl.num_programs(0)):
         off_m, off_n = _tile(tile, M, F, BMc, BNc, GROUP)
-        rows = off_m + gl.arange(0, C, layout=gl.SliceLayout(1, blk))
-        cols = (off_n + gl.arange(0, BNc, layout=gl.SliceLayout(0, blk)))[None, :]
-        if not FWD:
-            mask = (rows < M)[:, None] & (cols < F)
-            a = gl.load(_rows(gate, rows, g_rows, cols), mask=mask)
-            b = gl.load(_rows(up, rows, u_rows, cols), mask=mask)
         mbarrier.wait(s_ready.index(0), j & 1)
-        for c in gl.static_range(BMc // C):
-            r = rows + c * C
-            mask = (r < M)[:, None] & (cols < F)
-            if FWD:
-                a = s_bufs.index(0).slice(c * C, C).load(blk)
-                b = s_bufs.index(1).slice(c * C, C).load(blk)
-                gl.store(_rows(gate, r, g_rows, cols), a, mask=mask)
-                gl.store(_rows(up, r, u_rows, cols), b, mask=mask)
-                a, b = a.to(gl.float32), b.to(gl.float32)
-                gl.store(_rows(out, r, o_rows, cols), (a * _sigmoid(a) * b).to(out.dtype.element_ty), mask=mask)
-            else:
-                if c + 1 < BMc // C:
-                    later = (r + C < M)[:, None] & (cols < F)
-                    a_next = gl.load(_rows(gate, r + C, g_rows, cols), mask=later)
-                    b_next = gl.load(_rows(up, r + C, u_rows, cols), mask=later)
+        if FWD:
+            tma.async_copy_shared_to_global(gate_desc, [off_m, off_n], s_bufs.index(0))
+            tma.async_copy_shared_to_global(up_desc, [off_m, off_n], s_bufs.index(1))
+            tma.store_wait(1)                           # gate's store has read its buffer
+            for c in gl.static_range(BMc // C):
+                a = s_bufs.index(0).slice(c * C, C).load(blk).to(gl.float32)
+                b = s_bufs.index(1).slice(c * C, C).load(blk).to(gl.float32)
+                s_bufs.index(0).slice(c * C, C).store((a * _sigmoid(a) * b).to(s_bufs.dtype))
+            fence_async_shared()
+            tma.async_copy_shared_to_global(h_desc, [off_m, off_n], s_bufs.index(0))
+            tma.store_wait(0)
+            mbarrier.arrive(s_empty.index(0))
+        else:
+            mbarrier.wait(e_ready.index(0), j & 1)
+            rows = off_m + gl.arange(0, C, layout=gl.SliceLayout(1, blk))
+            cols = off_n + gl.arange(0, BNc, layout=gl.SliceLayout(0, blk))
+            for c in gl.static_range(BMc // C):
                 dy = s_bufs.index(0).slice(c * C, C).load(blk).to(gl.float32)
-                a, b = a.to(gl.float32), b.to(gl.float32)
+                a = e_bufs.index(0).slice(c * C, C).load(blk).to(gl.float32)
+                b = e_bufs.index(1).slice(c * C, C).load(blk).to(gl.float32)
                 sg = _sigmoid(a)
-                gl.store(_rows(out, r, o_rows, cols), (dy * b * sg * (1.0 + a * (1.0 - sg))).to(out.dtype.element_ty),
-                         mask=mask)
-                gl.store(_rows(out2, r, o_rows, cols), (dy * a * sg).to(out2.dtype.element_ty), mask=mask)
-                if c + 1 < BMc // C:
-                    a, b = a_next, b_next
-        mbarrier.arrive(s_empty.index(0))
+                at = (c * C + rows).to(gl.int64)[:, None] * d_rows + cols[None, :]
+                mask = ((c * C + rows) < M)[:, None] & (cols < F)[None, :]
+                gl.store(dgate + at, (dy * b * sg * (1.0 + a * (1.0 - sg))).to(dgate.dtype.element_ty), mask=mask)
+                gl.store(dup + at, (dy * a * sg).to(dup.dtype.element_ty), mask=mask)
+            mbarrier.arrive(s_empty.index(0))
+            fence_async_shared()                        # the reads above before the next tile's TMA
+            _gate_up(gate_desc, up_desc, e_bufs, e_ready, tile + gl.num_programs(0), tiles, M, F, BMc, BNc, GROUP)
         j += 1
 
 
 @gluon.jit
-def _kernel(a_desc, w_desc, w2_desc, gate, up, g_rows, u_rows, out, out2, o_rows, M, F, K, gate_steps, up_first,
-            s_layout: gl.constexpr, FWD: gl.constexpr, S: gl.constexpr, GROUP: gl.constexpr):
+def _kernel(a_desc, w_desc, w2_desc, gate_desc, up_desc, h_desc, dgate, dup, d_rows, M, F, K, gate_steps, up_first,
+            FWD: gl.constexpr, S: gl.constexpr, GROUP: gl.constexpr):
     """Forward (FWD): gate = a @ W_gate^T, up = a @ W_up^T (w_desc, w2_desc: (F, K) each) stored, and
-    h (out). Backward: dh = a @ W (w_desc: (K, F)) and from it, gate and up, dgate and dup (out,
-    out2). Two MMA warpgroups, a loader warp, four epilogue warps (13 warps); registers a thread
-    (the first MMA warpgroup has what the others leave): forward MMAs 184 (two accumulators),
-    epilogue 96; backward MMAs 152, epilogue 168 (two chunks of gate and up), none spilled at any
-    shape the tests launch (`benchmarks/compile_kernels.py`)."""
-    BMc: gl.constexpr = a_desc.block_type.shape[0]
-    BNc: gl.constexpr = w_desc.block_type.shape[0] if FWD else w_desc.block_type.shape[1]
+    h. Backward: dh = a @ W (w_desc: (K, F)) and from it, gate and up, dgate and dup. Two MMA
+    warpgroups, a loader warp, four epilogue warps (13 warps)."""
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [S] + a_desc.block_type.shape, a_desc.layout)
     w_bufs = gl.allocate_shared_memory(w_desc.dtype, [2 * S if FWD else S] + w_desc.block_type.shape, w_desc.layout)
-    s_bufs = gl.allocate_shared_memory(a_desc.dtype, [2 if FWD else 1, BMc, BNc], s_layout)
+    s_bufs = gl.allocate_shared_memory(gate_desc.dtype, [2 if FWD else 1] + gate_desc.block_type.shape,
+                                       gate_desc.layout)
+    if FWD:
+        e_bufs = s_bufs                                 # not used
+    else:
+        e_bufs = gl.allocate_shared_memory(gate_desc.dtype, [2] + gate_desc.block_type.shape, gate_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [S, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [S, 1], mbarrier.MBarrierLayout())
     s_ready = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
     s_empty = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    e_ready = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(S):
         mbarrier.init(ready.index(s), count=1)
         mbarrier.init(empty.index(s), count=2)          # both warpgroups read a slot
     mbarrier.init(s_ready.index(0), count=2)
     mbarrier.init(s_empty.index(0), count=1)
+    mbarrier.init(e_ready.index(0), count=1)
     gl.warp_specialize([
         (_multiply, (a_bufs, w_bufs, s_bufs, ready, empty, s_ready, s_empty, M, F, K, gate_steps, up_first, FWD,
                       0)),
         (_multiply, (a_bufs, w_bufs, s_bufs, ready, empty, s_ready, s_empty, M, F, K, gate_steps, up_first, FWD,
                       64)),
         (_loads, (a_desc, w_desc, w2_desc, a_bufs, w_bufs, ready, empty, M, F, K, FWD, GROUP)),
-        (_epilogue, (s_bufs, s_ready, s_empty, gate, up, g_rows, u_rows, out, out2, o_rows, M, F, FWD, GROUP)),
-    ], [4, 1, 4], [184, 40, 96] if FWD else [152, 40, 168])
+        (_epilogue, (s_bufs, e_bufs, s_ready, s_empty, e_ready, gate_desc, up_desc, h_desc, dgate, dup, d_rows, M,
+                     F, FWD, GROUP)),
+    ], [4, 1, 4], [192, 40, 80])
 
 
 def supported(a: torch.Tensor, *ts: torch.Tensor) -> bool:
@@ -229,11 +237,6 @@ def supported(a: torch.Tensor, *ts: torch.Tensor) -> bool:
 
 def _desc(t: torch.Tensor, block: tuple) -> TensorDescriptor:
     return TensorDescriptor.from_tensor(t, list(block), layout(block, _GL[t.dtype]))
-
-
-def _staging(dtype: torch.dtype):
-    """The layout of the products' staging tiles in shared memory, as the MMAs write them."""
-    return layout((BM, BN), _GL[dtype])
 
 
 def _grid(M: int, F: int) -> tuple:
@@ -254,8 +257,8 @@ def gated_forward(a: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, gat
     bk, stages = tiles
     gate_steps = -(-(K if gate_cols is None else gate_cols) // bk)
     assert gate_steps > up_first // bk          # every step multiplies one of them
-    _kernel[_grid(M, F)](_desc(a, (BM, bk)), _desc(w_gate, (BN, bk)), _desc(w_up, (BN, bk)), gate, up, gate.stride(0),
-                         up.stride(0), h, h, h.stride(0), M, F, K, gate_steps, up_first // bk, _staging(a.dtype),
+    _kernel[_grid(M, F)](_desc(a, (BM, bk)), _desc(w_gate, (BN, bk)), _desc(w_up, (BN, bk)), _desc(gate, (BM, BN)),
+                         _desc(up, (BM, BN)), _desc(h, (BM, BN)), h, h, 0, M, F, K, gate_steps, up_first // bk,
                          FWD=True, S=stages, GROUP=group, num_warps=4, maxnreg=128)
     return gate, up, h
 
@@ -269,8 +272,7 @@ def gated_backward(g: torch.Tensor, w: torch.Tensor, gate: torch.Tensor, up: tor
     F = w.shape[1]
     dgate, dup = torch.empty(M, 2 * F, device=g.device, dtype=g.dtype).split(F, 1)
     bk, stages = tiles
-    w_desc = _desc(w, (bk, BN))
-    _kernel[_grid(M, F)](_desc(g, (BM, bk)), w_desc, w_desc, gate, up, gate.stride(0), up.stride(0), dgate, dup,
-                         dgate.stride(0), M, F, K, 0, 0, _staging(g.dtype), FWD=False, S=stages, GROUP=group,
-                         num_warps=4, maxnreg=128)
+    w_desc, gate_desc = _desc(w, (bk, BN)), _desc(gate, (BM, BN))
+    _kernel[_grid(M, F)](_desc(g, (BM, bk)), w_desc, w_desc, gate_desc, _desc(up, (BM, BN)), gate_desc, dgate, dup,
+                         dgate.stride(0), M, F, K, 0, 0, FWD=False, S=stages, GROUP=group, num_warps=4, maxnreg=128)
     return dgate, dup
