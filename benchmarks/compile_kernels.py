@@ -42,6 +42,8 @@ GPU_CHOICES = {"TC": True, "LUT": 3}
 RESOURCES = re.compile(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)")
 SHARED_LIMIT = 232448   # bytes of shared memory a Hopper program may ask for
 MLP_SHAPES = [(1024, 560, 1024), (1000, 200, 1352), (64, 64, 128), (4096, 1048, 4096)]   # test_layer_kernels' (M, K, F)
+NF4_SHAPES = [((4096, 4096), 2048), ((1000, 1024), 4500), ((2048, 64), 4096), ((136, 4096), 8192),   # test_kernels'
+              ((49152, 576), 1000), ((576, 576), 8200)]                                              # ((N, K), M)
 
 
 class Recorder:
@@ -153,8 +155,9 @@ def compile_all(launches, arch: int, everything: bool) -> dict:
     for group in sorted(by_kernel.values(), key=len, reverse=True):
         min(shares, key=len).extend(group)
     with concurrent.futures.ProcessPoolExecutor(len(shares)) as pool:
-        parts = pool.map(_compile, [s for s in shares if s], itertools.repeat(arch), itertools.repeat(everything))
-        return dict(sorted(kv for part in parts for kv in part.items()))
+        parts = [pool.submit(_compile, s, arch, everything) for s in shares if s]
+        parts += [pool.submit(compile_gluon, which, arch) for which in ("mlp", "nf4") if arch >= 90]
+        return dict(sorted(kv for part in parts for kv in part.result().items()))
 
 
 def _entry(**more) -> dict:
@@ -203,22 +206,45 @@ def _compile(launches, arch: int, everything: bool) -> dict:
     return kernels
 
 
-def gluon_launches():
-    """The Gluon kernels' launches as their tests make them (`test_layer_kernels.py`), on CPU tensors."""
-    from aner.kernels import mlp
-    for dtype in (torch.float16, torch.bfloat16):
-        for M, K, F in MLP_SHAPES:
-            x, w = torch.empty(M, K, dtype=dtype), torch.empty(2 * F, K, dtype=dtype)
-            g, wd = torch.empty(M, K, dtype=dtype), torch.empty(K, F, dtype=dtype)
-            j = K // 4 // 16 * 16
-            gate, up, _ = mlp.gated_forward(x, w[:F], w[F:])
-            mlp.gated_forward(x, w[:F], w[F:], gate_cols=K - j, up_first=j)
-            mlp.gated_backward(g, wd, gate, up)
-            mlp.gated_backward(g, wd, gate, up.contiguous())
+def gluon_launches(which: str):
+    """The Gluon kernels' launches as their tests make them, on CPU tensors: the MLP's ("mlp",
+    `test_layer_kernels.py`) or the NF4 products' ("nf4", `test_kernels.py`, a Hopper GPU taken
+    as present where they ask)."""
+    if which == "mlp":
+        from aner.kernels import mlp
+        for dtype in (torch.float16, torch.bfloat16):
+            for M, K, F in MLP_SHAPES:
+                x, w = torch.empty(M, K, dtype=dtype), torch.empty(2 * F, K, dtype=dtype)
+                g, wd = torch.empty(M, K, dtype=dtype), torch.empty(K, F, dtype=dtype)
+                j = K // 4 // 16 * 16
+                gate, up, _ = mlp.gated_forward(x, w[:F], w[F:])
+                mlp.gated_forward(x, w[:F], w[F:], gate_cols=K - j, up_first=j)
+                mlp.gated_backward(g, wd, gate, up)
+                mlp.gated_backward(g, wd, gate, up.contiguous())
+        return
+    from aner.kernels import nf4, nf4_rs, nf4_ws
+    from aner.quant.nf4 import NF4Weight
+    hopper = nf4.hopper
+    nf4.hopper = nf4_ws.hopper = lambda device: True
+    try:
+        for dtype, double_quant, ((N, K), M) in itertools.product((torch.float16, torch.bfloat16), (False, True),
+                                                                  NF4_SHAPES):
+            w = NF4Weight.quantize(torch.randn(N, K) * 0.02, double_quant=double_quant)
+            p = nf4.DevicePacked.from_weight(w, "cpu", transposed=True)
+            x, g = torch.empty(M, K, dtype=dtype), torch.empty(M, N, dtype=dtype)
+            if nf4_rs.supported(x, p):
+                nf4_rs.nf4_rs_matmul(x, p)
+                nf4_ws.nf4_ws_matmul(x, p, False, programs=nf4.MULTIPROCESSORS)
+            if nf4_ws.supported(g, p, True):
+                nf4_ws.nf4_ws_matmul(g, p, True, programs=nf4.MULTIPROCESSORS)
+                if nf4_rs.supported(g, p, True):
+                    nf4_rs.nf4_rs_matmul(g, p, True, programs=None)
+    finally:
+        nf4.hopper = nf4_ws.hopper = hopper
 
 
-def compile_gluon(arch: int) -> dict:
-    """`gluon_launches` with each launch compiled for sm_<arch>, not run: each kernel's variants."""
+def compile_gluon(which: str, arch: int) -> dict:
+    """`gluon_launches(which)` with each launch compiled for sm_<arch>, not run: each kernel's variants."""
     import triton
     from triton.experimental.gluon._runtime import GluonJITFunction
     from triton.runtime import driver
@@ -228,21 +254,22 @@ def compile_gluon(arch: int) -> dict:
     compiled, run, kernels = [], GluonJITFunction.run, {}
 
     def compile_only(self, *args, grid, warmup, **kwargs):
-        brief = {"arguments": [a for a in args if isinstance(a, (int, float))] + [str(a.dtype).removeprefix("torch.")
-                 for a in args if isinstance(a, torch.Tensor)][:1], "options": {a: v for a, v in kwargs.items()}}
+        dtypes = [str(a.dtype).removeprefix("torch.") for a in args if isinstance(a, torch.Tensor)]
+        brief = {"arguments": [a for a in args if isinstance(a, (int, float))] + dtypes[:1],
+                 "options": {a: v for a, v in kwargs.items() if isinstance(v, (bool, int, float))}}
         compiled.append((f"{self.fn.__module__.rsplit('.', 1)[-1]}.{self.fn.__qualname__}", brief,
                          run(self, *args, grid=grid, warmup=True, **kwargs)))
 
     GluonJITFunction.run = compile_only
     try:
-        gluon_launches()
+        gluon_launches(which)
     except Exception as e:      # noqa: BLE001 (reported, and fails the run)
-        kernels["launches"] = _entry(shared=0, failed=[f"{type(e).__name__}: {str(e)[:300]}"])
+        kernels[f"{which} launches"] = _entry(shared=0, failed=[f"{type(e).__name__}: {str(e)[:300]}"])
     finally:
         GluonJITFunction.run = run
     seen = set()
     for name, brief, c in compiled:
-        k = kernels.setdefault(name, _entry(shared=0))
+        k = kernels.setdefault(f"{name} (Gluon)", _entry(shared=0))
         k["launches"] += 1
         if c.hash in seen:
             continue
@@ -287,8 +314,6 @@ def main() -> int:
         os.environ.pop("TRITON_INTERPRET", None)        # compiled here, not interpreted
         import triton
         kernels = compile_all(launches, opts.arch, opts.all)
-        if opts.arch >= 90:
-            kernels |= {f"{name} (Gluon)": k for name, k in compile_gluon(opts.arch).items()}
     failed = sorted(n for n, k in kernels.items()
                     if k["failed"] or k.get("memory_before_wait") or (opts.arch >= 90 and k.get("no_wait")))
     for name, k in sorted(kernels.items()):

@@ -135,7 +135,7 @@ def _hold(a):
 
 
 @gluon.jit
-def _ahead(c_buf, a_buf, amc, read_l: gl.constexpr, words_l: gl.constexpr, am_l: gl.constexpr, COLS: gl.constexpr,
+def _ahead(c_buf, a_rows, at, amc, read_l: gl.constexpr, words_l: gl.constexpr, am_l: gl.constexpr, COLS: gl.constexpr,
            ROW0: gl.constexpr):
     """A step's code words of the warpgroup's rows from c_buf, as (row, h, i): word 4 h + i, or with
     COLS as (row, h, t): the register of byte t of words 4 h .. 4 h + 3; with COLS also the absmax
@@ -144,8 +144,7 @@ def _ahead(c_buf, a_buf, amc, read_l: gl.constexpr, words_l: gl.constexpr, am_l:
     read = c_buf.slice(ROW0, R).load(read_l)
     if COLS:
         words = gl.permute(gl.reshape(read, [R, 4, 2]), (0, 2, 1))
-        amc = gl.expand_dims(a_buf.slice(ROW0 // R, 1)._reinterpret(gl.float32, [2, 4, 4, 2], _COLUMNS).load(am_l),
-                             0)
+        amc = gl.expand_dims(a_rows.index(at).load(am_l), 0)
     else:
         words = gl.reshape(read, [R, 2, 4])
     return gl.convert_layout(words, words_l, assert_trivial=True), amc
@@ -168,7 +167,8 @@ def _issue(acc, h, am4, wn, amc, x_bufs, c_bufs, a_bufs, ready, t, e, cb, read_l
                                        dtype=gl.float32, is_pure=True, pack=1)
     mbarrier.wait(ready.index(s), (h // S) & 1)
     words = gl.expand_dims(gl.expand_dims(wn, 2 if COLS else 3), 4)
-    wn, amc = _ahead(c_bufs.index(s), a_bufs.index(s), amc, read_l, words_l, am_l, COLS, ROW0)
+    wn, amc = _ahead(c_bufs.index(s), a_bufs, s * (a_bufs.type.shape[0] // S) + ROW0 // R, amc, read_l, words_l, am_l,
+                     COLS, ROW0)
     if LOOKUP == "":                # the decode left out (timing only)
         v = (words + t + e).to(x_bufs.dtype)
     else:
@@ -256,7 +256,7 @@ def _multiply(x_bufs, c_bufs, a_bufs, c_first, a_first, ready, empty, o_desc, o_
     KB = K // 64
     # the program's first step's words (and absmax: without COLS a placeholder), come with its first slot
     mbarrier.wait(ready.index(0), 0)
-    wn, amc = _ahead(c_first, a_first, t * 0.0, read_l, words_l, am_l, COLS, ROW0)
+    wn, amc = _ahead(c_first, a_first, ROW0 // R, t * 0.0, read_l, words_l, am_l, COLS, ROW0)
     h = 0
     for tile in range(gl.program_id(0), gl.cdiv(M, BTc) * gl.cdiv(N, BFc), gl.num_programs(0)):
         off_m, off_n = _tile(tile, M, N, BTc, BFc, GROUP)
@@ -302,9 +302,16 @@ def _nf4_rs_kernel(x_desc, c_desc, a_desc, o_desc, absmax, acodes, ascales, aoff
     if COLS:
         a_bufs = gl.allocate_shared_memory(a_desc.dtype, [S] + a_desc.block_type.shape, a_desc.layout)
         a_first = gl.allocate_shared_memory(a_desc.dtype, a_desc.block_type.shape, a_desc.layout)
+        # the MMA partitions read each row of blocks (of each slot) as one of these (h, i, t, e): the
+        # whole buffers reinterpreted, then indexed (Triton reinterprets no view)
+        A: gl.constexpr = a_desc.block_type.shape[0]      # rows of blocks a tile
+        a_cols = a_bufs._reinterpret(gl.float32, [S * A, 2, 4, 4, 2], _COLUMNS)
+        a_cols_first = a_first._reinterpret(gl.float32, [A, 2, 4, 4, 2], _COLUMNS)
     else:
         a_bufs = c_bufs                                   # not used
+        a_cols = c_bufs
         a_first = c_first
+        a_cols_first = c_first
     o_bufs = gl.allocate_shared_memory(o_desc.dtype, [2] + o_desc.block_type.shape, o_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [S, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [S, 1], mbarrier.MBarrierLayout())
@@ -312,10 +319,10 @@ def _nf4_rs_kernel(x_desc, c_desc, a_desc, o_desc, absmax, acodes, ascales, aoff
         mbarrier.init(ready.index(s), count=1)
         mbarrier.init(empty.index(s), count=2)            # both warpgroups read a slot
     gl.warp_specialize([
-        (_multiply, (x_bufs, c_bufs, a_bufs, c_first, a_first, ready, empty, o_desc, o_bufs.index(0), absmax, acodes,
-                     ascales, aoffset, nf4cb, dyncb, M, N, K, steps, GROUP, DQ, LOOKUP, COLS, U, 0)),
-        (_multiply, (x_bufs, c_bufs, a_bufs, c_first, a_first, ready, empty, o_desc, o_bufs.index(1), absmax, acodes,
-                     ascales, aoffset, nf4cb, dyncb, M, N, K, steps, GROUP, DQ, LOOKUP, COLS, U, 64)),
+        (_multiply, (x_bufs, c_bufs, a_cols, c_first, a_cols_first, ready, empty, o_desc, o_bufs.index(0), absmax,
+                     acodes, ascales, aoffset, nf4cb, dyncb, M, N, K, steps, GROUP, DQ, LOOKUP, COLS, U, 0)),
+        (_multiply, (x_bufs, c_bufs, a_cols, c_first, a_cols_first, ready, empty, o_desc, o_bufs.index(1), absmax,
+                     acodes, ascales, aoffset, nf4cb, dyncb, M, N, K, steps, GROUP, DQ, LOOKUP, COLS, U, 64)),
         (_loads, (x_desc, c_desc, a_desc, x_bufs, c_bufs, a_bufs, c_first, a_first, ready, empty, M, N, steps, GROUP,
                   COLS)),
     ], [4, 1], [240, 24] if COLS else [232, 40])     # at 240: input gradient 1%-1.5% faster, forward ~0.6% slower
