@@ -28,7 +28,8 @@ demo: model
 
 # The GPU kernels' tests skip in the first run on a machine without CUDA; the second runs them on
 # the CPU under Triton's interpreter (smaller shapes, the same references), then compiles every
-# kernel variant they launched for a Hopper GPU, as a GPU launches it (benchmarks/compile_kernels.py).
+# kernel variant they launched for a Hopper GPU, as a GPU launches it, and the Gluon kernels at their
+# tests' launches (benchmarks/compile_kernels.py).
 test: model
 	$(PY) -m pytest -q
 	$(PY) benchmarks/compile_kernels.py
