@@ -166,6 +166,19 @@ def _entry(**more) -> dict:
             **more}
 
 
+def _variant(k: dict, compiled, cuobjdump: pathlib.Path, seen: set) -> dict | None:
+    """`compiled` counted in the kernel's record k as a variant, its registers and stack: its
+    resources; None where a variant of its hash was seen."""
+    if compiled.hash in seen:
+        return None
+    seen.add(compiled.hash)
+    k["variants"] += 1
+    r = _resources(compiled.asm["cubin"], cuobjdump)
+    k["registers"] = sorted({*k["registers"], r["registers"]})
+    k["stack"], k["local"] = max(k["stack"], r["stack"]), max(k["local"], r["local"])
+    return r
+
+
 def _compile(launches, arch: int, everything: bool) -> dict:
     import importlib
 
@@ -187,13 +200,9 @@ def _compile(launches, arch: int, everything: bool) -> dict:
             except Exception as e:      # noqa: BLE001 (each failure is reported, and fails the run)
                 k["failed"].append(f"{_brief(args, dict(kwargs))}: {type(e).__name__}: {str(e)[:300]}")
                 continue
-            if compiled.hash in seen:
+            r = _variant(k, compiled, cuobjdump, seen)
+            if r is None:
                 continue
-            seen.add(compiled.hash)
-            k["variants"] += 1
-            r = _resources(compiled.asm["cubin"], cuobjdump)
-            k["registers"] = sorted({*k["registers"], r["registers"]})
-            k["stack"], k["local"] = max(k["stack"], r["stack"]), max(k["local"], r["local"])
             if r["stack"]:
                 k["with_stack"].append({**r, **_brief(args, options)})
             _, wait, memory = first_lines(compiled.asm["ptx"])
@@ -271,13 +280,9 @@ def compile_gluon(which: str, arch: int) -> dict:
     for name, brief, c in compiled:
         k = kernels.setdefault(f"{name} (Gluon)", _entry(shared=0))
         k["launches"] += 1
-        if c.hash in seen:
+        r = _variant(k, c, cuobjdump, seen)
+        if r is None:
             continue
-        seen.add(c.hash)
-        k["variants"] += 1
-        r = _resources(c.asm["cubin"], cuobjdump)
-        k["registers"] = sorted({*k["registers"], r["registers"]})
-        k["stack"], k["local"] = max(k["stack"], r["stack"]), max(k["local"], r["local"])
         k["shared"] = max(k["shared"], c.metadata.shared)
         if r["stack"]:
             k["with_stack"].append({**r, **brief})
