@@ -45,7 +45,7 @@
 #               kernel apart, forward and backward, at QLoRA's MLP of each of MODELS, default llama-3.2-1b, also
 #               llama-3.1-8b)                                         -> <date>-h200-mlp-epilogue-<model>.json
 #   mlpprobe    benchmarks/mlp_probe.py (the SwiGLU inside the MLP's GEMMs against the GEMMs alone, forward and
-#               backward: the kernels, an earlier tree's (OLD), backward rings and epilogue variants, timing only)
+#               backward: the kernels, an earlier tree's (OLD), the backward with its gate/up copies or stores left out)
 #                                                                     -> <date>-h200-mlp-probe.json
 #   rounding    benchmarks/delta_rounding.py (how much of a small adapter delta reaches a BF16 output: cuBLAS's GEMM
 #               onto a BF16 C, the fused path's expand and GEMM, the delta joined along K)

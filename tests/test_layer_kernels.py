@@ -286,7 +286,7 @@ def test_swiglu_inside_the_gemms(shape, dtype):
     dh, its bits at that shape and elsewhere within dh's rounding (dgate and dup are dh times
     factors of gate and up alone); tiles partial along every dimension, fewer tiles than programs
     and several a program; with zero blocks where `lora._paired` lays them, the steps that hold
-    them alone left out, the same bits."""
+    them alone left out, the same bits; up's rows apart from gate's, the same bits."""
     from aner.kernels import mlp
     from aner.kernels.layer import swiglu_grad
     M, K, F = shape

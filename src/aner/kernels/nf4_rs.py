@@ -139,7 +139,8 @@ def _ahead(c_buf, a_rows, at, amc, read_l: gl.constexpr, words_l: gl.constexpr, 
            ROW0: gl.constexpr):
     """A step's code words of the warpgroup's rows from c_buf, as (row, h, i): word 4 h + i, or with
     COLS as (row, h, t): the register of byte t of words 4 h .. 4 h + 3; with COLS also the absmax
-    of its columns (the thread's (h, i, t, e) of the row of blocks) from a_buf, without amc as given."""
+    of its columns (the thread's (h, i, t, e) of the row of blocks) from a_rows.index(at), without
+    amc as given."""
     R: gl.constexpr = 64
     read = c_buf.slice(ROW0, R).load(read_l)
     if COLS:
