@@ -80,11 +80,9 @@ def main(path, old=None):
             got = call()
             close = (got[0] - y[:, :F]).abs().max() <= 2 ** -7 * y.abs().max() and torch.equal(got[2], swiglu(*got[:2]))
             out["checks"][f"forward: {name}"] = bool(close) and all(torch.equal(a, b) for a, b in zip(got, reference))
-        calls = {name: (lambda module=module: module.gated_backward(g, wd, gate, up))
-                 for name, module in kernels.items()}
-        for name, call in calls.items():
+        for name, module in kernels.items():
+            call = runs[f"backward: {name}"] = lambda module=module: module.gated_backward(g, wd, gate, up)
             out["checks"][f"backward: {name}"] = all(torch.equal(a, b) for a, b in zip(call(), want))
-            runs[f"backward: {name}"] = call
         for name, edits in PATCHES.items():
             module = patched(pathlib.Path(mlp.__file__), edits, folder)
             runs[f"backward: {name}"] = lambda module=module: module.gated_backward(g, wd, gate, up)
