@@ -50,6 +50,8 @@
 #   rounding    benchmarks/delta_rounding.py (how much of a small adapter delta reaches a BF16 output: cuBLAS's GEMM
 #               onto a BF16 C, the fused path's expand and GEMM, the delta joined along K)
 #                                                                     -> <date>-h200-delta-rounding.json
+#   blas        benchmarks/blas_library.py (cuBLAS against cuBLASLt at Llama-3.2-1B QLoRA's GEMMs; TRAIN=combo: then
+#               throughput.py's own side a process a library, alternated) -> <date>-h200-blas-library.json
 #   joint       benchmarks/joint_gemms.py (a group's projections as one GEMM against one a weight) -> <date>-h200-joint-gemms.json
 #   overlap     benchmarks/overlap.py (AdamW and the clipping norm's squares on a second stream beside
 #               the GEMMs: whether they hide)                         -> <date>-h200-overlap.json
@@ -150,6 +152,8 @@ for stage in "$@"; do
     mlpprobe) PYTHONPATH=$PYTHONPATH:$PWD/benchmarks timeout 300 python3 benchmarks/mlp_probe.py "$OUT/$day-h200-mlp-probe.json" ${OLD:-} 2>&1 \
                 | tee "$OUT/mlp-probe.log" ;;
     rounding) python3 benchmarks/delta_rounding.py "$OUT/$day-h200-delta-rounding.json" 2>&1 | tee "$OUT/delta-rounding.log" ;;
+    blas) python3 benchmarks/blas_library.py "$OUT/$day-h200-blas-library.json" ${TRAIN:+--train "$TRAIN"} 2>&1 \
+            | tee "$OUT/blas-library.log" ;;
     joint) python3 benchmarks/joint_gemms.py "$OUT/$day-h200-joint-gemms.json" 2>&1 | tee "$OUT/joint-gemms.log" ;;
     lora) python3 benchmarks/lora_kernels.py "$OUT/$day-h200-lora-kernels.json" ${LORA:-} 2>&1 | tee "$OUT/lora-kernels.log" | tail -n 60 ;;
     overlap) python3 benchmarks/overlap.py "$OUT/$day-h200-overlap.json" 2>&1 \
