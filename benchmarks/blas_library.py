@@ -4,7 +4,7 @@ Under the library's deterministic policy, at Llama-3.2-1B QLoRA's GEMM shapes ov
 8 x 1024 tokens (each projection's forward and input gradient, the head over all 8192 positions):
 the median microseconds of 30 calls with each library, two rounds alternated, the faster round
 kept; whether each gives the same bits twice and the two the same bits. With `--train COMBO`, then
-ROUNDS (default 2) processes a library of `throughput.py`'s own side for COMBO, alternated.
+throughput.py's own side for COMBO in a process a library, alternated for `--rounds` (default 2).
 
     CUBLAS_WORKSPACE_CONFIG=:4096:8 python benchmarks/blas_library.py OUT.json [--train COMBO] [--rounds R]
 """
