@@ -52,6 +52,10 @@
 #                                                                     -> <date>-h200-delta-rounding.json
 #   blas        benchmarks/blas_library.py (cuBLAS against cuBLASLt at Llama-3.2-1B QLoRA's GEMMs; TRAIN=combo: then
 #               throughput.py's own side a process a library, alternated) -> <date>-h200-blas-library.json
+#   decodes     benchmarks/decode_tiles.py (the whole-weight NF4 decode at several program tiles, at every shape a
+#               QLoRA update of Llama-3.2-1B and Llama-3.1-8B decodes; the same bits as the default's) -> <date>-h200-decode-tiles.json
+#   ropetiles   benchmarks/rope_tiles.py (the RoPE kernel at several program tiles, forward and backward at
+#               Llama-3.2-1B's and Llama-3.1-8B's attention; the same bits as the default's) -> <date>-h200-rope-tiles.json
 #   joint       benchmarks/joint_gemms.py (a group's projections as one GEMM against one a weight) -> <date>-h200-joint-gemms.json
 #   overlap     benchmarks/overlap.py (AdamW and the clipping norm's squares on a second stream beside
 #               the GEMMs: whether they hide)                         -> <date>-h200-overlap.json
@@ -154,6 +158,10 @@ for stage in "$@"; do
     rounding) python3 benchmarks/delta_rounding.py "$OUT/$day-h200-delta-rounding.json" 2>&1 | tee "$OUT/delta-rounding.log" ;;
     blas) python3 benchmarks/blas_library.py "$OUT/$day-h200-blas-library.json" ${TRAIN:+--train "$TRAIN"} 2>&1 \
             | tee "$OUT/blas-library.log" ;;
+    decodes) PYTHONPATH=$PYTHONPATH:$PWD/benchmarks python3 benchmarks/decode_tiles.py "$OUT/$day-h200-decode-tiles.json" 2>&1 \
+               | tee "$OUT/decode-tiles.log" ;;
+    ropetiles) PYTHONPATH=$PYTHONPATH:$PWD/benchmarks python3 benchmarks/rope_tiles.py "$OUT/$day-h200-rope-tiles.json" 2>&1 \
+                 | tee "$OUT/rope-tiles.log" ;;
     joint) python3 benchmarks/joint_gemms.py "$OUT/$day-h200-joint-gemms.json" 2>&1 | tee "$OUT/joint-gemms.log" ;;
     lora) python3 benchmarks/lora_kernels.py "$OUT/$day-h200-lora-kernels.json" ${LORA:-} 2>&1 | tee "$OUT/lora-kernels.log" | tail -n 60 ;;
     overlap) python3 benchmarks/overlap.py "$OUT/$day-h200-overlap.json" 2>&1 \

@@ -141,8 +141,9 @@ def test_decode_is_exact_for_every_code_byte(double_quant, dtype, lut):
                          ids=lambda s: s if isinstance(s, str) else f"{s[0]}x{s[1]}")
 def test_whole_weight_decode_is_exact(shape, double_quant, dtype):
     """nf4_decode writes NF4Weight.dequantize() rounded to the dtype, bit for bit: the fast
-    decode (K % 64 == 0) and the general one, partial tiles and blocks across rows; with columns
-    to spare on either side, the same bits between them, and the spare columns untouched."""
+    decode (K % 64 == 0) and the general one, partial tiles and blocks across rows, at two program
+    tiles; with columns to spare on either side, the same bits between them, and the spare columns
+    untouched."""
     if shape == "every code byte":
         w = every_code_byte(double_quant)
         p = K.DevicePacked.from_weight(w, DEV)
@@ -151,6 +152,7 @@ def test_whole_weight_decode_is_exact(shape, double_quant, dtype):
     poison(*w.shape, dtype=dtype)
     got = K.nf4_decode(p, dtype)
     assert got.shape == w.shape and torch.equal(got.cpu(), w.dequantize().to(dtype))
+    assert torch.equal(K.nf4_decode(p, dtype, tile=(32, 512, 8)), got)      # another program tile
     N, Kin = w.shape
     poison(N, 24 + Kin + 48, dtype=dtype)
     wide = K.nf4_decode(p, dtype, 24, 48)

@@ -82,6 +82,24 @@ def test_rope_bit_exact(shape, dtype, same_out, layout):
         assert torch.equal(p.grad, leaf.grad), f"{(p.grad != leaf.grad).sum().item()} gradients differ"
 
 
+@pytest.mark.parametrize("tile", [(1, 4096), (2, 4096), (4, 2048), (8, 8192), (64, 4096)], ids=str)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_rope_tiles_give_the_same_bits(tile, dtype):
+    """Any program tile (heads x elements): partial blocks of heads and positions, heads from
+    `rotated` on copied, forward and backward the same bits as torch's."""
+    from aner.kernels.layer import _rope_launch
+    B, n, T, E, rotated = 2, 7, 37, 64, 5
+    cos, sin = tables(n, T, E)
+    x = torch.randn(B, T, n, E, device=DEV).to(dtype).transpose(1, 2)
+    g = torch.randn(B, T, n, E, device=DEV).to(dtype).transpose(1, 2)
+    leaf = x[:, :rotated].clone().requires_grad_(True)
+    want = apply_rope(leaf, cos, sin).to(dtype)
+    (want_grad,) = torch.autograd.grad(want, leaf, g[:, :rotated])
+    got = _rope_launch(x, cos, sin, torch.empty_like(x), False, rotated, tile=tile)
+    assert torch.equal(got[:, :rotated], want) and torch.equal(got[:, rotated:], x[:, rotated:])
+    assert torch.equal(_rope_launch(g, cos, sin, torch.empty_like(g), True, rotated, tile=tile)[:, :rotated], want_grad)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("heads", [(4, 2), (3, 3), (2, 1)], ids=lambda h: f"H{h[0]}K{h[1]}")
 @pytest.mark.parametrize("incoming", ["apart", "one"])

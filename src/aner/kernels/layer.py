@@ -47,42 +47,53 @@ from .splits import sum_splits
 
 @triton.jit
 def _rope_kernel(x, cos, sin, out, n, rotated, T, E, sxb, sxh, sxt, sob, soh, sot,
-                 BACKWARD: tl.constexpr, BT: tl.constexpr, BE: tl.constexpr):
-    """out[t, e] = x[t, e] * cos[t, e] + x[t, e^1] * sin[t, e] for BT positions of one (b, head);
-    BACKWARD reads sin[t, e^1] instead (the gradient through the flip). FP32, one final rounding.
-    Heads from `rotated` on are copied as they are. Rows are loaded whole and split into their even
-    and odd elements (vector loads, no gather)."""
+                 BACKWARD: tl.constexpr, BH: tl.constexpr, BT: tl.constexpr, BE: tl.constexpr):
+    """out[t, e] = x[t, e] * cos[t, e] + x[t, e^1] * sin[t, e] for BT positions of BH heads of one
+    b (cos and sin read once for all of them); BACKWARD reads sin[t, e^1] instead (the gradient
+    through the flip). FP32, one final rounding. Heads from `rotated` on are copied as they are.
+    Rows are loaded whole and split into their even and odd elements (vector loads, no gather)."""
     after_prior()
-    b = tl.program_id(0) // n
-    h = tl.program_id(0) % n
+    blocks = tl.cdiv(n, BH)
+    b = tl.program_id(0) // blocks
+    h = (tl.program_id(0) % blocks) * BH + tl.arange(0, BH)
     t = tl.program_id(1) * BT + tl.arange(0, BT)
     e = tl.arange(0, BE)
-    mask = (t < T)[:, None] & (e < E)[None, :]
+    rows = (t < T)[:, None] & (e < E)[None, :]
+    mask = (h < n)[:, None, None] & rows[None, :, :]
     t64 = t.to(tl.int64)[:, None]
-    src = x + b.to(tl.int64) * sxb + h.to(tl.int64) * sxh + t64 * sxt
-    x0, x1 = tl.split(tl.reshape(tl.load(src + e[None, :], mask=mask, other=0.0).to(tl.float32), (BT, BE // 2, 2)))
-    c0, c1 = tl.split(tl.reshape(tl.load(cos + t64 * E + e[None, :], mask=mask, other=0.0), (BT, BE // 2, 2)))
-    s0, s1 = tl.split(tl.reshape(tl.load(sin + t64 * E + e[None, :], mask=mask, other=0.0), (BT, BE // 2, 2)))
+    at = h.to(tl.int64)[:, None, None] * sxh + (t64 * sxt + e[None, :])[None, :, :]
+    x0, x1 = tl.split(tl.reshape(tl.load(x + b.to(tl.int64) * sxb + at, mask=mask, other=0.0).to(tl.float32),
+                                 (BH, BT, BE // 2, 2)))
+    c0, c1 = tl.split(tl.reshape(tl.load(cos + t64 * E + e[None, :], mask=rows, other=0.0), (1, BT, BE // 2, 2)))
+    s0, s1 = tl.split(tl.reshape(tl.load(sin + t64 * E + e[None, :], mask=rows, other=0.0), (1, BT, BE // 2, 2)))
     if BACKWARD:
         s0, s1 = s1, s0
-    rotate = h < rotated
+    rotate = (h < rotated)[:, None, None]
     y0 = tl.where(rotate, x0 * c0 + x1 * s0, x0)    # two roundings of products, one of the sum
     y1 = tl.where(rotate, x1 * c1 + x0 * s1, x1)
-    y = tl.reshape(tl.join(y0, y1), (BT, BE))
-    dst = out + b.to(tl.int64) * sob + h.to(tl.int64) * soh + t64 * sot
-    tl.store(dst + e[None, :], y.to(out.dtype.element_ty), mask=mask)
+    y = tl.reshape(tl.join(y0, y1), (BH, BT, BE))
+    at = h.to(tl.int64)[:, None, None] * soh + (t64 * sot + e[None, :])[None, :, :]
+    tl.store(out + b.to(tl.int64) * sob + at, y.to(out.dtype.element_ty), mask=mask)
 
 
-def _rope_launch(x, cos, sin, out, backward: bool, rotated: int | None = None) -> torch.Tensor:
+# (heads, elements) a program: 16 heads share their positions' cos and sin (at Llama-3.2-1B's attention on an
+# H100 2.75 TB/s against one head's 1.92, `benchmarks/rope_tiles.py`)
+ROPE_TILE = (16, 4096)
+
+
+def _rope_launch(x, cos, sin, out, backward: bool, rotated: int | None = None, tile=ROPE_TILE) -> torch.Tensor:
     """Rotate x (B, n, T, E), last stride 1, into out (same shape, any strides, last stride 1; x
-    itself too): its first `rotated` heads (all by default), the rest copied."""
+    itself too): its first `rotated` heads (all by default), the rest copied. `tile`: (heads,
+    elements) a program, powers of two (the positions a program follow from E; the same bits at
+    any tile)."""
     B, n, T, E = x.shape
     be = triton.next_power_of_2(E)
-    bt = max(1, 4096 // be)                         # a fixed function of E: one compile per head width
+    bh = min(tile[0], triton.next_power_of_2(n))
+    bt = max(1, tile[1] // (be * bh))               # a fixed function of E and n
     if out.numel():
-        _rope_kernel[(B * n, triton.cdiv(T, bt))](
+        _rope_kernel[(B * triton.cdiv(n, bh), triton.cdiv(T, bt))](
             x, cos, sin, out, n, n if rotated is None else rotated, T, E, *x.stride()[:3], *out.stride()[:3],
-            BACKWARD=backward, BT=bt, BE=be, num_warps=4, enable_fp_fusion=False, **launch_options(x.device))
+            BACKWARD=backward, BH=bh, BT=bt, BE=be, num_warps=4, enable_fp_fusion=False, **launch_options(x.device))
     return out
 
 

@@ -668,13 +668,17 @@ def nf4_embedding(packed: DevicePacked, ids: torch.Tensor, lut: int = 0) -> torc
     return out.reshape(*ids.shape, K)
 
 
+DECODE_TILE = (16, 256, 4)     # rows, columns (a multiple of 64), warps
+
+
 def nf4_decode(packed: DevicePacked, dtype: torch.dtype = torch.float32, left: int = 0, right: int = 0,
-               below: int = 0, out: torch.Tensor | None = None) -> torch.Tensor:
+               below: int = 0, out: torch.Tensor | None = None, tile=DECODE_TILE) -> torch.Tensor:
     """The whole (N, K) weight in `dtype` on the device: NF4Weight.dequantize() rounded once to
-    `dtype`, bit for bit (the matrix kernels' own tile decode, 16 x 256 elements a program). With
-    `left`, `right` and `below`: (N + below, left + K + right), the weight in rows [0, N) and
-    columns [left, left + K), the others left for the caller to write. Into `out` when given:
-    (N + below, left + K + right) in `dtype`, its rows at any stride (e.g. rows of a taller matrix)."""
+    `dtype`, bit for bit (the matrix kernels' own tile decode, `tile` = (rows, columns, warps) a
+    program; another tile for benchmarks, the same bits). With `left`, `right` and `below`:
+    (N + below, left + K + right), the weight in rows [0, N) and columns [left, left + K), the others
+    left for the caller to write. Into `out` when given: (N + below, left + K + right) in `dtype`, its
+    rows at any stride (e.g. rows of a taller matrix)."""
     _check_packed(packed)
     if dtype not in FLOATS:
         raise ConfigError(f"dtype={dtype} is not one of float32, float16, bfloat16")
@@ -682,11 +686,11 @@ def nf4_decode(packed: DevicePacked, dtype: torch.dtype = torch.float32, left: i
     if out is None:
         out = torch.empty(N + below, left + K + right, device=packed.device, dtype=dtype)
     assert out.shape == (N + below, left + K + right) and out.dtype == dtype and out.stride(1) == 1
-    br, bc = 16, 256
+    br, bc, warps = tile
     _nf4_decode_kernel[(-(-N // br), -(-K // bc))](out[:, left:], out.stride(0), *packed._args(), N, K, BR=br, BC=bc,
                                                    FAST=K % 64 == 0, DQ=packed.double_quant,
-                                                   LUT=1 if INTERPRETING else 3, num_warps=4, enable_fp_fusion=False,
-                                                   **launch_options(out.device))
+                                                   LUT=1 if INTERPRETING else 3, num_warps=warps,
+                                                   enable_fp_fusion=False, **launch_options(out.device))
     return out
 
 
