@@ -19,7 +19,7 @@ from joint_gemms import timed
 from aner.kernels.layer import ROPE_TILE, _rope_launch
 
 MODELS = {"llama-3.2-1b": (16, 32, 8, 64), "llama-3.1-8b": (32, 32, 8, 128)}   # layers, heads, kv heads, width
-TILES = [ROPE_TILE, (4, 4096), (8, 4096), (16, 4096), (8, 8192), (16, 8192), (32, 8192), (64, 8192)]
+TILES = [ROPE_TILE, (1, 4096), (4, 4096), (8, 4096), (16, 2048), (32, 4096), (16, 8192), (64, 8192)]
 B, T = 8, 1024
 
 
