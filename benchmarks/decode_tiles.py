@@ -1,6 +1,7 @@
 """The whole-weight NF4 decode (`nf4_decode`, BF16, double quantization) at several program tiles,
 at every matrix shape a QLoRA update of Llama-3.2-1B and Llama-3.1-8B decodes (decodes kept for
-backward: each matrix once an update, into its layout's columns with room for the adapter's parts).
+backward: each matrix once an update), each into a buffer with 48 spare columns on either side, as
+the joins' decodes have at rank 16.
 
 Each tile's output is compared with the default's (`DECODE_TILE`) bit for bit, then every variant
 is timed under CUDA graphs, in turn (`joint_gemms.timed`): microseconds a call, the bytes moved a
