@@ -217,8 +217,8 @@ def _compile(launches, arch: int, everything: bool) -> dict:
 
 def gluon_launches(which: str):
     """The Gluon kernels' launches as their tests make them, on CPU tensors: the MLP's ("mlp",
-    `test_layer_kernels.py`) or the NF4 products' ("nf4", `test_kernels.py`, a Hopper GPU taken
-    as present where they ask)."""
+    `test_layer_kernels.py`) or the NF4 products' ("nf4", `test_kernels.py` and the benchmarks'
+    variant without the decode, a Hopper GPU taken as present where they ask)."""
     if which == "mlp":
         from aner.kernels import mlp
         for dtype in (torch.float16, torch.bfloat16):
@@ -248,6 +248,11 @@ def gluon_launches(which: str):
                 nf4_ws.nf4_ws_matmul(g, p, True, programs=nf4.MULTIPROCESSORS)
                 if nf4_rs.supported(g, p, True):
                     nf4_rs.nf4_rs_matmul(g, p, True, programs=None)
+        # benchmarks/nf4_rs.py's timing-only variant, the decode left out, both ways at 4096 x 4096 x 2048
+        p = nf4.DevicePacked.from_weight(NF4Weight.quantize(torch.randn(4096, 4096) * 0.02), "cpu", transposed=True)
+        x = torch.empty(2048, 4096, dtype=torch.bfloat16)
+        nf4_rs.nf4_rs_matmul(x, p, skip=True)
+        nf4_rs.nf4_rs_matmul(x, p, True, skip=True)
     finally:
         nf4.hopper = nf4_ws.hopper = hopper
 

@@ -171,7 +171,7 @@ def _issue(acc, h, am4, wn, amc, x_bufs, c_bufs, a_bufs, ready, t, e, cb, read_l
     wn, amc = _ahead(c_bufs.index(s), a_bufs, s * (a_bufs.type.shape[0] // S) + ROW0 // R, amc, read_l, words_l, am_l,
                      COLS, ROW0)
     if LOOKUP == "":                # the decode left out (timing only)
-        v = (words + t + e).to(x_bufs.dtype)
+        v = gl.broadcast(words + t + e, am)[0].to(x_bufs.dtype)     # am's dimensions: the lookup's shape
     else:
         v = gl.inline_asm_elementwise(LOOKUP, _LOOKUP_IO, [words, t, am, cb, e], dtype=x_bufs.dtype, is_pure=True,
                                       pack=8)
