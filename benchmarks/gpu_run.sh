@@ -18,7 +18,8 @@
 #   partial     benchmarks/nf4_rs_partial.py (nf4_rs timed with 4, 3, 2 and 0 of each lookup's four code words
 #               decoded, the rest handed to the MMA undecoded, and with the second warpgroup's decode left
 #               out; timing only: whether a warp's latency or the shuffles' throughput sets the pace;
-#               PARTIAL="4 shared1 shared2 shared4 3" picks the runs, shared-n reading n words from shared memory)
+#               PARTIAL="4 shared1 shared2 shared4 3" picks the runs, shared-n reading n words from shared memory;
+#               "amconst", "amone", "amhalf": the input gradient's absmax never read, or 1 or 4 of 8 used a lookup)
 #                                                                     -> <date>-h200-nf4-rs-partial.json
 #   check       benchmarks/nf4_rs_check.py (nf4_rs against nf4_ws, bit for bit, at the shapes training calls
 #               it with: Llama-3.2-1B's and SmolLM2-135M's projections and heads) -> <date>-h200-nf4-rs-check.json

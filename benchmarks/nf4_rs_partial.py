@@ -13,6 +13,11 @@ decoded by other warps (through shared memory) would gain about what d = 3 gains
 much faster, the shuffles' throughput across the multiprocessor sets it, and moving them to other
 warps gains nothing. Runs "shared1", "shared2" and "shared4" read the last 1, 2 or 4 words' values
 from shared memory instead of shuffling them (`through_shared`): whether the two share that limit.
+Runs "amconst", "amone" and "amhalf" ask why the input gradient's decode costs more than the
+forward's (~12 against ~8 us at 4096 x 4096 x 2048 on an H100): "amconst" multiplies every code
+by 1.0 in place of its column's absmax, so the 16 absmax of a thread's step are never read from
+shared memory or held; "amone" and "amhalf" multiply each lookup's 8 codes by 1 or 4 of its 8
+absmax, so that 2 or 8 of a step's 16 are read and held.
 
     python benchmarks/nf4_rs_partial.py results/<date>-h200-nf4-rs-partial.json [run ...]   (GPU machine)
 """
@@ -71,16 +76,36 @@ def undecoded(d: int):
     edit_lookup(partial)
 
 
-def one_decodes(root: str) -> str:
-    """A copy of the package under root whose kernel's second warpgroup leaves its decode out."""
+def edited(pattern: str, replacement: str) -> str:
+    """A copy of the package in a new folder whose nf4_rs.py has pattern's one match replaced."""
     import aner
+    root = tempfile.mkdtemp()
     src = os.path.dirname(os.path.dirname(aner.__file__))
     shutil.copytree(os.path.join(src, "aner"), os.path.join(root, "aner"))
     path = os.path.join(root, "aner", "kernels", "nf4_rs.py")
-    text, n = re.subn(r"DQ, LOOKUP, COLS, U, 64\)", 'DQ, "", COLS, U, 64)', open(path).read())
-    assert n == 1
+    text, n = re.subn(pattern, replacement, open(path).read())
+    assert n == 1, pattern
     open(path, "w").write(text)
     return root
+
+
+def copies() -> dict:
+    """The package copies some runs take: "one", the second warpgroup's decode left out; "amconst",
+    the transposed copy's absmax never read (1.0 in its place)."""
+    return {"one": edited(r"DQ, LOOKUP, COLS, U, 64\)", 'DQ, "", COLS, U, 64)'),
+            "amconst": edited(r"amc = gl\.expand_dims\(a_rows\.index\(at\)\.load\(am_l\), 0\)",
+                              "amc = gl.expand_dims(gl.full([2, 4, 4, 2], 1.0, gl.float32, am_l), 0)")}
+
+
+def fewer_absmax(used: int):
+    """`_shuffle_lookup_asm` with each multiply of a lookup by one of the first `used` (1 or 4) of its
+    8 absmax ($20 + 2 i + e, for word i and element e): $20, or $20 + 4 (i // 2) + e."""
+    def edit(text):
+        def absmax(m):
+            i, e = divmod(int(m.group(2)) - 20, 2)
+            return f"{m.group(1)}${20 + (4 * (i // 2) + e if used == 4 else 0)};"
+        return re.sub(r"(mul\.rn\.f32 v[lh], v[lh], )\$(2[0-7]);", absmax, text)
+    edit_lookup(edit)
 
 
 def main():
@@ -89,17 +114,19 @@ def main():
         run = sys.argv[2]
         if run.startswith("shared"):
             through_shared(int(run[len("shared"):]))
-        elif run != "one":
+        elif run in ("amone", "amhalf"):
+            fewer_absmax(1 if run == "amone" else 4)
+        elif run not in ("one", "amconst"):
             undecoded(int(run))
         print(json.dumps(dict(nf4_rs_barriers.run(f"decoded {run}"), decoded=run)))
         return
     here = os.path.dirname(os.path.abspath(__file__))
     path = os.environ.get("PYTHONPATH", "")
-    one = one_decodes(tempfile.mkdtemp())
+    package = copies()
     rows = []
     for _ in range(2):
         for run in sys.argv[2:] or RUNS:
-            first = [one] if run == "one" else []
+            first = [package[run]] if run in package else []
             env = dict(os.environ, PYTHONPATH=os.pathsep.join(first + [here, path]))
             done = subprocess.run([sys.executable, __file__, "--run", run], text=True, capture_output=True, env=env)
             sys.stderr.write(done.stderr[-2500:])
