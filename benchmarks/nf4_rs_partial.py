@@ -76,10 +76,16 @@ def undecoded(d: int):
     edit_lookup(partial)
 
 
-def edited(pattern: str, replacement: str) -> str:
-    """A copy of the package in a new folder whose nf4_rs.py has pattern's one match replaced."""
+# the runs that take an edited copy of the package, by the one match in nf4_rs.py replaced: "one",
+# the second warpgroup's decode left out; "amconst", the transposed copy's absmax never read (1.0)
+EDITS = {"one": (r"DQ, LOOKUP, COLS, U, 64\)", 'DQ, "", COLS, U, 64)'),
+         "amconst": (r"amc = gl\.expand_dims\(a_rows\.index\(at\)\.load\(am_l\), 0\)",
+                     "amc = gl.expand_dims(gl.full([2, 4, 4, 2], 1.0, gl.float32, am_l), 0)")}
+
+
+def edited(root: str, pattern: str, replacement: str) -> str:
+    """A copy of the package under root whose nf4_rs.py has pattern's one match replaced."""
     import aner
-    root = tempfile.mkdtemp()
     src = os.path.dirname(os.path.dirname(aner.__file__))
     shutil.copytree(os.path.join(src, "aner"), os.path.join(root, "aner"))
     path = os.path.join(root, "aner", "kernels", "nf4_rs.py")
@@ -87,14 +93,6 @@ def edited(pattern: str, replacement: str) -> str:
     assert n == 1, pattern
     open(path, "w").write(text)
     return root
-
-
-def copies() -> dict:
-    """The package copies some runs take: "one", the second warpgroup's decode left out; "amconst",
-    the transposed copy's absmax never read (1.0 in its place)."""
-    return {"one": edited(r"DQ, LOOKUP, COLS, U, 64\)", 'DQ, "", COLS, U, 64)'),
-            "amconst": edited(r"amc = gl\.expand_dims\(a_rows\.index\(at\)\.load\(am_l\), 0\)",
-                              "amc = gl.expand_dims(gl.full([2, 4, 4, 2], 1.0, gl.float32, am_l), 0)")}
 
 
 def fewer_absmax(used: int):
@@ -116,22 +114,25 @@ def main():
             through_shared(int(run[len("shared"):]))
         elif run in ("amone", "amhalf"):
             fewer_absmax(1 if run == "amone" else 4)
-        elif run not in ("one", "amconst"):
+        elif run not in EDITS:
             undecoded(int(run))
         print(json.dumps(dict(nf4_rs_barriers.run(f"decoded {run}"), decoded=run)))
         return
     here = os.path.dirname(os.path.abspath(__file__))
     path = os.environ.get("PYTHONPATH", "")
-    package = copies()
+    runs = sys.argv[2:] or RUNS
     rows = []
-    for _ in range(2):
-        for run in sys.argv[2:] or RUNS:
-            first = [package[run]] if run in package else []
-            env = dict(os.environ, PYTHONPATH=os.pathsep.join(first + [here, path]))
-            done = subprocess.run([sys.executable, __file__, "--run", run], text=True, capture_output=True, env=env)
-            sys.stderr.write(done.stderr[-2500:])
-            rows.append(json.loads(done.stdout.splitlines()[-1]) if done.returncode == 0 else
-                        {"decoded": run, "error": done.stderr[-1500:]})
+    with tempfile.TemporaryDirectory() as tmp:
+        package = {run: edited(os.path.join(tmp, run), *EDITS[run]) for run in set(runs) & EDITS.keys()}
+        for _ in range(2):
+            for run in runs:
+                first = [package[run]] if run in package else []
+                env = dict(os.environ, PYTHONPATH=os.pathsep.join(first + [here, path]))
+                done = subprocess.run([sys.executable, __file__, "--run", run], text=True, capture_output=True,
+                                      env=env)
+                sys.stderr.write(done.stderr[-2500:])
+                rows.append(json.loads(done.stdout.splitlines()[-1]) if done.returncode == 0 else
+                            {"decoded": run, "error": done.stderr[-1500:]})
     with open(sys.argv[1], "w") as f:
         json.dump({"device": torch.cuda.get_device_name(), "runs": rows}, f, indent=1)
 
