@@ -11,7 +11,8 @@
 #   kernels     benchmarks/nf4_kernels.py (fused NF4 against dense)  -> <date>-h200-nf4-kernels.json
 #               (KERNELS=--quick: the 4096 x 4096 points only; "--defaults --problems N,K,M ...": the default rows there)
 #   ws          benchmarks/nf4_ws.py (a warp-specialized NF4 product) -> <date>-h200-nf4-ws.json
-#   rs          benchmarks/nf4_rs.py (the NF4 forward with the weight as the MMA's register operand)
+#   rs          benchmarks/nf4_rs.py (the NF4 forward with the weight as the MMA's register operand; RS="0 6": its
+#               variants 0 and 6, in that order)
 #                                                                     -> <date>-h200-nf4-rs.json
 #   barriers    benchmarks/nf4_rs_barriers.py (nf4_rs as compiled against its PTX without the MMA partitions'
 #               warpgroup barriers at each ring slot; alternated processes)   -> <date>-h200-nf4-rs-barriers.json
@@ -123,7 +124,7 @@ for stage in "$@"; do
            python3 benchmarks/wait_first.py "$TRITON_CACHE_DIR" "$OUT/wait-first.json" ;;
     profiles) python3 benchmarks/gpu_profiles.py "$OUT/$day-h200-profiles.json" 2>&1 | tee "$OUT/gpu-profiles.log" ;;
     ws) python3 benchmarks/nf4_ws.py "$OUT/$day-h200-nf4-ws.json" 2>&1 | tee "$OUT/nf4-ws.log" | tail -n 40 ;;
-    rs) python3 benchmarks/nf4_rs.py "$OUT/$day-h200-nf4-rs.json" 2>&1 | tee "$OUT/nf4-rs.log" | tail -n 40 ;;
+    rs) python3 benchmarks/nf4_rs.py "$OUT/$day-h200-nf4-rs.json" ${RS:-} 2>&1 | tee "$OUT/nf4-rs.log" | tail -n 40 ;;
     barriers) python3 benchmarks/nf4_rs_barriers.py "$OUT/$day-h200-nf4-rs-barriers.json" 2>&1 | tee "$OUT/nf4-rs-barriers.log" | tail -n 40 ;;
     partial) python3 benchmarks/nf4_rs_partial.py "$OUT/$day-h200-nf4-rs-partial.json" ${PARTIAL:-} 2>&1 | tee "$OUT/nf4-rs-partial.log" | tail -n 40 ;;
     check) PYTHONPATH=$PYTHONPATH:$PWD/benchmarks python3 benchmarks/nf4_rs_check.py "$OUT/$day-h200-nf4-rs-check.json" 2>&1 \

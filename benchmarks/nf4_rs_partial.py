@@ -78,7 +78,7 @@ def undecoded(d: int):
 
 # the runs that take an edited copy of the package, by the one match in nf4_rs.py replaced: "one",
 # the second warpgroup's decode left out; "amconst", the transposed copy's absmax never read (1.0)
-EDITS = {"one": (r"DQ, LOOKUP, COLS, U, 64\)", 'DQ, "", COLS, U, 64)'),
+EDITS = {"one": (r"DQ, LOOKUP, COLS, U, OUT, 64\)", 'DQ, "", COLS, U, OUT, 64)'),
          "amconst": (r"amc = gl\.expand_dims\(a_rows\.index\(at\)\.load\(am_l\), 0\)",
                      "amc = gl.expand_dims(gl.full([2, 4, 4, 2], 1.0, gl.float32, am_l), 0)")}
 

@@ -88,13 +88,14 @@ def run_variant(v):
 
 
 def main(script=__file__, variants=VARIANTS, run=run_variant, timeout=120):
-    """`script out.json`: every variant in a process of its own (one that hangs is cut and
-    recorded), the rows to out.json; `script --variant V`: variant V's row to stdout."""
+    """`script out.json [V ...]`: every variant (or variants V, in that order) in a process of its own
+    (one that hangs is cut and recorded), the rows to out.json; `script --variant V`: variant V's row to
+    stdout."""
     if sys.argv[1] == "--variant":
         print(json.dumps(run(int(sys.argv[2]))))
         return
     rows = []
-    for v in range(len(variants)):
+    for v in [int(a) for a in sys.argv[2:]] or range(len(variants)):
         try:
             done = subprocess.run([sys.executable, script, "--variant", str(v)], capture_output=True, text=True,
                                   timeout=timeout)
