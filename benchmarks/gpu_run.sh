@@ -11,8 +11,8 @@
 #   kernels     benchmarks/nf4_kernels.py (fused NF4 against dense)  -> <date>-h200-nf4-kernels.json
 #               (KERNELS=--quick: the 4096 x 4096 points only; "--defaults --problems N,K,M ...": the default rows there)
 #   ws          benchmarks/nf4_ws.py (a warp-specialized NF4 product) -> <date>-h200-nf4-ws.json
-#   rs          benchmarks/nf4_rs.py (the NF4 forward with the weight as the MMA's register operand; RS="0 6": its
-#               variants 0 and 6, in that order)
+#   rs          benchmarks/nf4_rs.py (the NF4 forward with the weight as the MMA's register operand; RS="0 5": its
+#               variants 0 and 5, in that order)
 #                                                                     -> <date>-h200-nf4-rs.json
 #   barriers    benchmarks/nf4_rs_barriers.py (nf4_rs as compiled against its PTX without the MMA partitions'
 #               warpgroup barriers at each ring slot; alternated processes)   -> <date>-h200-nf4-rs-barriers.json
@@ -20,7 +20,8 @@
 #               decoded, the rest handed to the MMA undecoded, and with the second warpgroup's decode left
 #               out; timing only: whether a warp's latency or the shuffles' throughput sets the pace;
 #               PARTIAL="4 shared1 shared2 shared4 3" picks the runs, shared-n reading n words from shared memory;
-#               "amconst", "amone", "amhalf": the input gradient's absmax never read, or 1 or 4 of 8 used a lookup)
+#               "amconst", "amone", "amhalf": the input gradient's absmax never read, or 1 or 4 of 8 used a lookup;
+#               "along": the input gradient's absmax read in its own step, the same bits)
 #                                                                     -> <date>-h200-nf4-rs-partial.json
 #   check       benchmarks/nf4_rs_check.py (nf4_rs against nf4_ws, bit for bit, at the shapes training calls
 #               it with: Llama-3.2-1B's and SmolLM2-135M's projections and heads) -> <date>-h200-nf4-rs-check.json

@@ -17,19 +17,18 @@ from aner.kernels.nf4_ws import nf4_ws_matmul
 
 import nf4_ws           # benchmarks/nf4_ws.py: the runner of variants in processes of their own
 
-# (ring depth, skip the decode, programs: None = one a tile, steps a group, MMAs in flight while a step decodes);
-# the first is the default
-MP = K.MULTIPROCESSORS
-VARIANTS = [(4, False, MP, 8, 1), (4, False, MP, 4, 1), (4, False, MP, 1, 1), (4, False, None, 8, 1),
-            (3, False, MP, 8, 1), (4, True, MP, 8, 1), (4, False, MP, 8, 2), (4, False, MP, 4, 2)]
+# (ring depth, skip the decode, programs: None = one a tile, steps a group with a MMA in flight); the first is
+# the default
+VARIANTS = [(4, False, K.MULTIPROCESSORS, 8), (4, False, K.MULTIPROCESSORS, 4), (4, False, K.MULTIPROCESSORS, 1),
+            (4, False, None, 8), (3, False, K.MULTIPROCESSORS, 8), (4, True, K.MULTIPROCESSORS, 8)]
 
 
 def run_variant(v):
-    stages, skip, programs, in_flight, outstanding = VARIANTS[v]
-    kw = dict(stages=stages, skip=skip, programs=programs, in_flight=in_flight, outstanding=outstanding)
+    stages, skip, programs, in_flight = VARIANTS[v]
+    kw = dict(stages=stages, skip=skip, programs=programs, in_flight=in_flight)
     torch.manual_seed(0)
     row = {"stages": stages, "skip_decode": skip, "programs": programs or "one a tile", "in_flight": in_flight,
-           "outstanding": outstanding, "checks": {}, "problems": []}
+           "checks": {}, "problems": []}
     if not skip:
         for N, Kin, M in [(1000, 576, 300), (4096, 4096, 2048), (2048, 64, 4096), (136, 4096, 8192),
                           (576, 576, 8200), (1024, 4096, 8192)]:

@@ -56,10 +56,12 @@ def run(mode):
     row = {"without": mode, "checks": {}, "problems": []}
     for N, Kin, M in [(4096, 4096, 2048), (2048, 8192, 4096), (1024, 4096, 8192)]:
         p, Wd = nf4_ws.packed(N, Kin)
-        x = torch.randn(M, Kin, device="cuda").bfloat16()
-        y = nf4_rs_matmul(x, p)
-        row["checks"][f"{N}x{Kin}x{M}"] = {"bits_of_ws": torch.equal(y, nf4_ws_matmul(x, p, False)),
-                                            "same_bits_twice": torch.equal(y, nf4_rs_matmul(x, p))}
+        x, g = torch.randn(M, Kin, device="cuda").bfloat16(), torch.randn(M, N, device="cuda").bfloat16()
+        for trans, a in ((False, x), (True, g)):
+            y = nf4_rs_matmul(a, p, trans)
+            row["checks"][f"{N}x{Kin}x{M}{'-input-grad' if trans else ''}"] = {
+                "bits_of_ws": torch.equal(y, nf4_ws_matmul(a, p, trans)),
+                "same_bits_twice": torch.equal(y, nf4_rs_matmul(a, p, trans))}
     if mode == "dump":                          # the kernel compiled, for its PTX
         return row
     nf4_ws.clocks_up()

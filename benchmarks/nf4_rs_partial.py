@@ -17,7 +17,10 @@ Runs "amconst", "amone" and "amhalf" ask why the input gradient's decode costs m
 forward's (~12 against ~8 us at 4096 x 4096 x 2048 on an H100): "amconst" multiplies every code
 by 1.0 in place of its column's absmax, so the 16 absmax of a thread's step are never read from
 shared memory or held; "amone" and "amhalf" multiply each lookup's 8 codes by 1 or 4 of its 8
-absmax, so that 2 or 8 of a step's 16 are read and held.
+absmax, so that 2 or 8 of a step's 16 are read and held. Run "along" is a candidate kernel, not a
+probe (its values right, its bits checked against `nf4_ws` as every run's are): the input
+gradient's absmax come with their own step's ring slot and are read once it is ready, where ptxas
+reads them in parts through the decode, not a step ahead and held through it (`ALONG`).
 
     python benchmarks/nf4_rs_partial.py results/<date>-h200-nf4-rs-partial.json [run ...]   (GPU machine)
 """
@@ -76,21 +79,42 @@ def undecoded(d: int):
     edit_lookup(partial)
 
 
-# the runs that take an edited copy of the package, by the one match in nf4_rs.py replaced: "one",
-# the second warpgroup's decode left out; "amconst", the transposed copy's absmax never read (1.0)
-EDITS = {"one": (r"DQ, LOOKUP, COLS, U, OUT, 64\)", 'DQ, "", COLS, U, OUT, 64)'),
-         "amconst": (r"amc = gl\.expand_dims\(a_rows\.index\(at\)\.load\(am_l\), 0\)",
-                     "amc = gl.expand_dims(gl.full([2, 4, 4, 2], 1.0, gl.float32, am_l), 0)")}
+# "along": the input gradient's absmax read from its own step's ring slot once that is ready, in
+# place of from the slot before, a step ahead, and held to the next decode (the same values, so the
+# same bits): the loader copies each step's absmax with its activation tile. As (text, its stand-in).
+ALONG = [("""    xbytes: gl.constexpr = x_desc.block_type.nbytes
+    wbytes: gl.constexpr = c_desc.block_type.nbytes + (a_desc.block_type.nbytes if COLS else 0)""",
+          """    xbytes: gl.constexpr = x_desc.block_type.nbytes + (a_desc.block_type.nbytes if COLS else 0)
+    wbytes: gl.constexpr = c_desc.block_type.nbytes"""),
+         ("a_desc, [wn // 64, wi * STEP], ready.index(s), a_bufs.index(s),\n" + " " * 48 + "pred=ahead)",
+          "a_desc, [off_n // 64, i * STEP], ready.index(s), a_bufs.index(s))"),
+         ("\n" + " " * 16 + "tma.async_copy_global_to_shared(a_desc, [off_n // 64, 0], ready.index(s), a_first, "
+          "pred=first)", ""),
+         ("amc = gl.expand_dims(a_rows.index(at).load(am_l), 0)", "amc = amc"),
+         ("""    mbarrier.wait(ready.index(s), (h // S) & 1)
+""", """    mbarrier.wait(ready.index(s), (h // S) & 1)
+    if COLS:
+        am = gl.expand_dims(a_bufs.index(s * (a_bufs.type.shape[0] // S) + ROW0 // R).load(am_l), 0)
+""")]
+# the runs that take an edited copy of the package, each text of nf4_rs.py that they name (found
+# once) replaced: "one", the second warpgroup's decode left out; "amconst", the transposed copy's
+# absmax never read (1.0); "along", above
+EDITS = {"one": [('DQ, LOOKUP, COLS, U, 64)', 'DQ, "", COLS, U, 64)')],
+         "amconst": [("amc = gl.expand_dims(a_rows.index(at).load(am_l), 0)",
+                      "amc = gl.expand_dims(gl.full([2, 4, 4, 2], 1.0, gl.float32, am_l), 0)")],
+         "along": ALONG}
 
 
-def edited(root: str, pattern: str, replacement: str) -> str:
-    """A copy of the package under root whose nf4_rs.py has pattern's one match replaced."""
+def edited(root: str, edits: list) -> str:
+    """A copy of the package under root whose nf4_rs.py has each (text, stand-in) of edits replaced."""
     import aner
     src = os.path.dirname(os.path.dirname(aner.__file__))
     shutil.copytree(os.path.join(src, "aner"), os.path.join(root, "aner"))
     path = os.path.join(root, "aner", "kernels", "nf4_rs.py")
-    text, n = re.subn(pattern, replacement, open(path).read())
-    assert n == 1, pattern
+    text = open(path).read()
+    for old, new in edits:
+        assert text.count(old) == 1, old
+        text = text.replace(old, new)
     open(path, "w").write(text)
     return root
 
@@ -123,7 +147,7 @@ def main():
     runs = sys.argv[2:] or RUNS
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        package = {run: edited(os.path.join(tmp, run), *EDITS[run]) for run in set(runs) & EDITS.keys()}
+        package = {run: edited(os.path.join(tmp, run), EDITS[run]) for run in set(runs) & EDITS.keys()}
         for _ in range(2):
             for run in runs:
                 first = [package[run]] if run in package else []

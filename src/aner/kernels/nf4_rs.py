@@ -183,7 +183,7 @@ def _issue(acc, h, am4, wn, amc, x_bufs, c_bufs, a_bufs, ready, t, e, cb, read_l
 def _steps(acc, h, k, am_next, am_next4, wn, amc, x_bufs, c_bufs, a_bufs, ready, empty, rows, blk, t, e, cb, absmax,
            acodes, ascales, aoffset, dyncb, N, steps, read_l: gl.constexpr, words_l: gl.constexpr, am_l: gl.constexpr,
            a_l: gl.constexpr, DQ: gl.constexpr, LOOKUP: gl.constexpr, COLS: gl.constexpr, ROW0: gl.constexpr,
-           U: gl.constexpr, OUT: gl.constexpr):
+           U: gl.constexpr):
     """Steps k .. k + U - 1 of a warpgroup: each decoded while the MMA of the one before runs, its
     MMA issued before that one is waited for, the last waited for at the end; every step's operand
     registers held until the wait that sees its MMA finish. `am_next` holds the absmax of the
@@ -201,32 +201,15 @@ def _steps(acc, h, k, am_next, am_next4, wn, amc, x_bufs, c_bufs, a_bufs, ready,
                                aoffset, dyncb, DQ)
     acc, a_prev, s_prev, wn, amc = _issue(acc, h, am4, wn, amc, x_bufs, c_bufs, a_bufs, ready, t, e, cb, read_l,
                                           words_l, am_l, a_l, LOOKUP, COLS, ROW0, 0)
-    if (OUT == 2) & (U > 1):        # two MMAs in flight while a step decodes: three steps' operands held
-        acc, a_last, s_last, wn, amc = _issue(acc, h + 1, am4, wn, amc, x_bufs, c_bufs, a_bufs, ready, t, e, cb,
-                                              read_l, words_l, am_l, a_l, LOOKUP, COLS, ROW0, 1)
-        for u in gl.static_range(2, U):
-            acc, a, s, wn, amc = _issue(acc, h + u, am4 if u < 4 else am8, wn, amc, x_bufs, c_bufs, a_bufs, ready, t,
-                                        e, cb, read_l, words_l, am_l, a_l, LOOKUP, COLS, ROW0, u % 4)
-            acc = warpgroup_mma_wait(num_outstanding=2, deps=(acc,))
-            _hold(a_prev)
-            mbarrier.arrive(empty.index(s_prev))
-            a_prev = a_last
-            s_prev = s_last
-            a_last = a
-            s_last = s
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        _hold(a_last)
-        mbarrier.arrive(empty.index(s_last))
-    else:
-        for u in gl.static_range(1, U):
-            acc, a, s, wn, amc = _issue(acc, h + u, am4 if u < 4 else am8, wn, amc, x_bufs, c_bufs, a_bufs, ready, t,
-                                        e, cb, read_l, words_l, am_l, a_l, LOOKUP, COLS, ROW0, u % 4)
-            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-            _hold(a_prev)
-            mbarrier.arrive(empty.index(s_prev))
-            a_prev = a
-            s_prev = s
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+    for u in gl.static_range(1, U):
+        acc, a, s, wn, amc = _issue(acc, h + u, am4 if u < 4 else am8, wn, amc, x_bufs, c_bufs, a_bufs, ready, t, e,
+                                    cb, read_l, words_l, am_l, a_l, LOOKUP, COLS, ROW0, u % 4)
+        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+        _hold(a_prev)
+        mbarrier.arrive(empty.index(s_prev))
+        a_prev = a
+        s_prev = s
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
     _hold(a_prev)
     mbarrier.arrive(empty.index(s_prev))
     return acc, h + U, k + U, am_next, am_next4, wn, amc
@@ -235,7 +218,7 @@ def _steps(acc, h, k, am_next, am_next4, wn, amc, x_bufs, c_bufs, a_bufs, ready,
 @gluon.jit
 def _multiply(x_bufs, c_bufs, a_bufs, c_first, a_first, ready, empty, o_desc, o_buf, absmax, acodes, ascales, aoffset,
               nf4cb, dyncb, M, N, K, steps, GROUP: gl.constexpr, DQ: gl.constexpr, LOOKUP: gl.constexpr,
-              COLS: gl.constexpr, U: gl.constexpr, OUT: gl.constexpr, ROW0: gl.constexpr):
+              COLS: gl.constexpr, U: gl.constexpr, ROW0: gl.constexpr):
     """A warpgroup: rows ROW0 .. ROW0 + 63 of every tile of the program, its steps U at a time."""
     BTc: gl.constexpr = x_bufs.type.shape[1]
     BFc: gl.constexpr = c_bufs.type.shape[1]
@@ -291,7 +274,7 @@ def _multiply(x_bufs, c_bufs, a_bufs, c_first, a_first, ready, empty, o_desc, o_
             acc, h, k, am_next, am_next4, wn, amc = _steps(
                 acc, h, k, am_next, am_next4, wn, amc, x_bufs, c_bufs, a_bufs, ready, empty, rows, blk, t, e, cb,
                 absmax, acodes, ascales, aoffset, dyncb, N, steps, read_l, words_l, am_l, a_l, DQ, LOOKUP, COLS, ROW0,
-                1, OUT)
+                1)
         if (U == 8) & (not COLS):          # the absmax of steps k + 4 + t (lane t of each row)
             am_next4 = _absmax(blk + k + 4 + t, (rows < N) & (k + 4 + t < steps), absmax, acodes, ascales, aoffset,
                                dyncb, DQ)
@@ -299,7 +282,7 @@ def _multiply(x_bufs, c_bufs, a_bufs, c_first, a_first, ready, empty, o_desc, o_
             acc, h, k, am_next, am_next4, wn, amc = _steps(
                 acc, h, k, am_next, am_next4, wn, amc, x_bufs, c_bufs, a_bufs, ready, empty, rows, blk, t, e, cb,
                 absmax, acodes, ascales, aoffset, dyncb, N, steps, read_l, words_l, am_l, a_l, DQ, LOOKUP, COLS, ROW0,
-                U, OUT)
+                U)
         # the tile transposed through shared memory, stored by TMA while the next tile runs
         tma.store_wait(0)
         o_buf.store(gl.permute(acc.to(o_buf.dtype), (1, 0)))
@@ -311,7 +294,7 @@ def _multiply(x_bufs, c_bufs, a_bufs, c_first, a_first, ready, empty, o_desc, o_
 @gluon.jit
 def _nf4_rs_kernel(x_desc, c_desc, a_desc, o_desc, absmax, acodes, ascales, aoffset, nf4cb, dyncb, M, N, K, steps,
                    DQ: gl.constexpr, GROUP: gl.constexpr, S: gl.constexpr, LOOKUP: gl.constexpr, COLS: gl.constexpr,
-                   U: gl.constexpr, OUT: gl.constexpr):
+                   U: gl.constexpr):
     """y = x @ W^T (with COLS: W the transposed copy, its absmax a column, from a_desc); a program
     walks the tiles pid, pid + programs, ..., its steps numbered across them."""
     x_bufs = gl.allocate_shared_memory(x_desc.dtype, [S] + x_desc.block_type.shape, x_desc.layout)
@@ -338,9 +321,9 @@ def _nf4_rs_kernel(x_desc, c_desc, a_desc, o_desc, absmax, acodes, ascales, aoff
         mbarrier.init(empty.index(s), count=2)            # both warpgroups read a slot
     gl.warp_specialize([
         (_multiply, (x_bufs, c_bufs, a_cols, c_first, a_cols_first, ready, empty, o_desc, o_bufs.index(0), absmax,
-                     acodes, ascales, aoffset, nf4cb, dyncb, M, N, K, steps, GROUP, DQ, LOOKUP, COLS, U, OUT, 0)),
+                     acodes, ascales, aoffset, nf4cb, dyncb, M, N, K, steps, GROUP, DQ, LOOKUP, COLS, U, 0)),
         (_multiply, (x_bufs, c_bufs, a_cols, c_first, a_cols_first, ready, empty, o_desc, o_bufs.index(1), absmax,
-                     acodes, ascales, aoffset, nf4cb, dyncb, M, N, K, steps, GROUP, DQ, LOOKUP, COLS, U, OUT, 64)),
+                     acodes, ascales, aoffset, nf4cb, dyncb, M, N, K, steps, GROUP, DQ, LOOKUP, COLS, U, 64)),
         (_loads, (x_desc, c_desc, a_desc, x_bufs, c_bufs, a_bufs, c_first, a_first, ready, empty, M, N, steps, GROUP,
                   COLS)),
     ], [4, 1], [240, 24] if COLS else [232, 40])     # at 240: input gradient 1%-1.5% faster, forward ~0.6% slower
@@ -356,7 +339,7 @@ def supported(x: torch.Tensor, packed, trans: bool = False) -> bool:
     return nf4_ws.supported(x, packed, False) and packed.shape[0] % 8 == 0
 
 
-def specialization(x, words, out, absmax_t=None, stages=4, in_flight=8, outstanding=1, skip=False):
+def specialization(x, words, out, absmax_t=None, stages=4, in_flight=8, skip=False):
     """TMA descriptors of x (M, K), the (N, K / 8) int32 code words, the (N / 64, K) FP32 absmax a
     column of a transposed copy (None: the codes' own blocks, along each row) and y (M, N); the
     kernel's compile-time constants (but DQ) and its launch options: a ring `stages` deep, steps
@@ -369,7 +352,7 @@ def specialization(x, words, out, absmax_t=None, stages=4, in_flight=8, outstand
     cols = absmax_t is not None
     a_desc = TensorDescriptor.from_tensor(absmax_t, [BF // 64, 64], _PLAIN) if cols else None
     const = dict(GROUP=GROUP_M, S=stages, LOOKUP="" if skip else _shuffle_lookup_asm(_CVT[x.dtype], cols), COLS=cols,
-                 U=in_flight, OUT=outstanding)
+                 U=in_flight)
     # 4 + 4 + 1 warps, the loader's padded to 4: 12 warps' registers at launch, then the kernel's split
     options = dict(num_warps=4, maxnreg=65536 // (32 * 12) // 8 * 8, enable_fp_fusion=False)
     return x_desc, c_desc, a_desc, o_desc, const, options
