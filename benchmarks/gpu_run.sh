@@ -21,7 +21,8 @@
 #               out; timing only: whether a warp's latency or the shuffles' throughput sets the pace;
 #               PARTIAL="4 shared1 shared2 shared4 3" picks the runs, shared-n reading n words from shared memory;
 #               "amconst", "amone", "amhalf": the input gradient's absmax never read, or 1 or 4 of 8 used a lookup;
-#               "along": the input gradient's absmax read in its own step, the same bits)
+#               "fwdam": the forward's absmax never loaded or shuffled; "along": the input gradient's absmax read
+#               in its own step, the same bits)
 #                                                                     -> <date>-h200-nf4-rs-partial.json
 #   check       benchmarks/nf4_rs_check.py (nf4_rs against nf4_ws, bit for bit, at the shapes training calls
 #               it with: Llama-3.2-1B's and SmolLM2-135M's projections and heads) -> <date>-h200-nf4-rs-check.json
