@@ -20,10 +20,10 @@ shared memory or held; "amone" and "amhalf" multiply each lookup's 8 codes by 1 
 absmax, so that 2 or 8 of a step's 16 are read and held. "fwdam" multiplies the forward's codes by
 1.0 in place of their row's absmax, which is then never loaded (once a group) or shuffled to the
 lanes of its row (once a step): whether the forward's absmax cost what the input gradient's do.
-Run "along" is a candidate kernel, not a
-probe (its values right, its bits checked against `nf4_ws` as every run's are): the input
-gradient's absmax come with their own step's ring slot and are read once it is ready, where ptxas
-reads them in parts through the decode, not a step ahead and held through it (`ALONG`).
+Run "along" is a candidate kernel, not a probe (its values right, its bits checked against
+`nf4_ws` as every run's are): the input gradient's absmax come with their own step's ring slot and
+are read once it is ready, where ptxas reads them in parts through the decode, not a step ahead
+and held through it (`ALONG`).
 
     python benchmarks/nf4_rs_partial.py results/<date>-h200-nf4-rs-partial.json [run ...]   (GPU machine)
 """
