@@ -241,13 +241,11 @@ def gluon_launches(which: str):
             w = NF4Weight.quantize(torch.randn(N, K) * 0.02, double_quant=double_quant)
             p = nf4.DevicePacked.from_weight(w, "cpu", transposed=True)
             x, g = torch.empty(M, K, dtype=dtype), torch.empty(M, N, dtype=dtype)
-            if nf4_rs.supported(x, p):
-                nf4_rs.nf4_rs_matmul(x, p)
-                nf4_ws.nf4_ws_matmul(x, p, False, programs=nf4.MULTIPROCESSORS)
-            if nf4_ws.supported(g, p, True):
-                nf4_ws.nf4_ws_matmul(g, p, True, programs=nf4.MULTIPROCESSORS)
-                if nf4_rs.supported(g, p, True):
-                    nf4_rs.nf4_rs_matmul(g, p, True, programs=None)
+            for trans, a in ((False, x), (True, g)):
+                if nf4_ws.supported(a, p, trans):
+                    nf4_ws.nf4_ws_matmul(a, p, trans, programs=nf4.MULTIPROCESSORS)
+                    if nf4_rs.supported(a, p, trans):
+                        nf4_rs.nf4_rs_matmul(a, p, trans, programs=None)
         # benchmarks/nf4_rs.py's timing-only variant, the decode left out, both ways at 4096 x 4096 x 2048
         p = nf4.DevicePacked.from_weight(NF4Weight.quantize(torch.randn(4096, 4096) * 0.02), "cpu", transposed=True)
         x = torch.empty(2048, 4096, dtype=torch.bfloat16)

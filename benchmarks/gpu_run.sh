@@ -20,9 +20,7 @@
 #               decoded, the rest handed to the MMA undecoded, and with the second warpgroup's decode left
 #               out; timing only: whether a warp's latency or the shuffles' throughput sets the pace;
 #               PARTIAL="4 shared1 shared2 shared4 3" picks the runs, shared-n reading n words from shared memory;
-#               "amconst", "amone", "amhalf": the input gradient's absmax never read, or 1 or 4 of 8 used a lookup;
-#               "fwdam": the forward's absmax never loaded or shuffled; "along": the input gradient's absmax read
-#               in its own step, the same bits)
+#               "amconst", "amone", "amhalf": the input gradient's absmax never read, or 1 or 4 of 8 used a lookup)
 #                                                                     -> <date>-h200-nf4-rs-partial.json
 #   check       benchmarks/nf4_rs_check.py (nf4_rs against nf4_ws, bit for bit, at the shapes training calls
 #               it with: Llama-3.2-1B's and SmolLM2-135M's projections and heads) -> <date>-h200-nf4-rs-check.json
@@ -70,6 +68,9 @@
 #   throughput  benchmarks/throughput.py (ours against the peer)     -> <date>-h200.json, its rows as the
 #               README's table at the end of throughput.log
 #               (COMBOS="model:method ... [--rounds R]" narrows it; R rounds alternate the two sides)
+#   rsab        nf4_rs's forward and input gradient timed and checked as `partial`'s run 4 does, an earlier tree
+#               (OLD, as for ab) against this one, alternated ROUNDS times (default 2), one process each
+#                                                                     -> rsab.log, rsab-{old,new}-N.json
 #   ab          ours only, an earlier tree against this one, alternated ROUNDS times (default 2), one
 #               process each: OLD=a folder holding that tree's src/ and benchmarks/throughput.py
 #               (`bash benchmarks/carry.sh COMMIT` puts a commit's there: OLD=.whl/COMMIT) -> ab.log, ab-{old,new}-N.json
@@ -175,6 +176,11 @@ for stage in "$@"; do
     clocks) python3 benchmarks/update_clocks.py ${COMBO:-} 2>&1 | tee "$OUT/update-clocks.log" | grep -v "^   " ;;
     throughput) python3 benchmarks/throughput.py "$OUT/$day-h200.json" ${COMBOS:-} 2>&1 | tee "$OUT/throughput.log"
                 python3 benchmarks/throughput.py --table "$OUT/$day-h200.json" | tee -a "$OUT/throughput.log" ;;
+    rsab) for round in $(seq "${ROUNDS:-2}"); do for tree in "$OLD" "$PWD"; do
+            name=$([ "$tree" = "$PWD" ] && echo new || echo old)
+            PYTHONPATH=/tmp/site:$tree/src:$PWD/benchmarks python3 benchmarks/nf4_rs_partial.py --run 4 \
+              2>&1 > "$OUT/rsab-$name-$round.json" | sed "s/^/$name /"
+          done; done | tee "$OUT/rsab.log" ;;
     ab) for round in $(seq "${ROUNDS:-2}"); do for tree in "$OLD" "$PWD"; do
           name=$([ "$tree" = "$PWD" ] && echo new || echo old)
           python3 "$tree/benchmarks/throughput.py" "$OUT/ab-$name-$round.json" --no-peer ${COMBOS:-} 2>&1 | sed "s/^/$name /"

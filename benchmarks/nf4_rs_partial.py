@@ -14,16 +14,11 @@ much faster, the shuffles' throughput across the multiprocessor sets it, and mov
 warps gains nothing. Runs "shared1", "shared2" and "shared4" read the last 1, 2 or 4 words' values
 from shared memory instead of shuffling them (`through_shared`): whether the two share that limit.
 Runs "amconst", "amone" and "amhalf" ask why the input gradient's decode costs more than the
-forward's (~12 against ~8 us at 4096 x 4096 x 2048 on an H100): "amconst" multiplies every code
+forward's (~12 against ~8 us at 4096 x 4096 x 2048 on an H100, when the forward still decoded its
+double-quantized absmax and shuffled it to a row's lanes): "amconst" multiplies every code
 by 1.0 in place of its column's absmax, so the 16 absmax of a thread's step are never read from
 shared memory or held; "amone" and "amhalf" multiply each lookup's 8 codes by 1 or 4 of its 8
-absmax, so that 2 or 8 of a step's 16 are read and held. "fwdam" multiplies the forward's codes by
-1.0 in place of their row's absmax, which is then never loaded (once a group) or shuffled to the
-lanes of its row (once a step): whether the forward's absmax cost what the input gradient's do.
-Run "along" is a candidate kernel, not a probe (its values right, its bits checked against
-`nf4_ws` as every run's are): the input gradient's absmax come with their own step's ring slot and
-are read once it is ready, where ptxas reads them in parts through the decode, not a step ahead
-and held through it (`ALONG`).
+absmax, so that 2 or 8 of a step's 16 are read and held.
 
     python benchmarks/nf4_rs_partial.py results/<date>-h200-nf4-rs-partial.json [run ...]   (GPU machine)
 """
@@ -82,33 +77,12 @@ def undecoded(d: int):
     edit_lookup(partial)
 
 
-# "along": the input gradient's absmax read from its own step's ring slot once that is ready, in
-# place of from the slot before, a step ahead, and held to the next decode (the same values, so the
-# same bits): the loader copies each step's absmax with its activation tile. As (text, its stand-in).
-ALONG = [("""    xbytes: gl.constexpr = x_desc.block_type.nbytes
-    wbytes: gl.constexpr = c_desc.block_type.nbytes + (a_desc.block_type.nbytes if COLS else 0)""",
-          """    xbytes: gl.constexpr = x_desc.block_type.nbytes + (a_desc.block_type.nbytes if COLS else 0)
-    wbytes: gl.constexpr = c_desc.block_type.nbytes"""),
-         ("a_desc, [wn // 64, wi * STEP], ready.index(s), a_bufs.index(s),\n" + " " * 48 + "pred=ahead)",
-          "a_desc, [off_n // 64, i * STEP], ready.index(s), a_bufs.index(s))"),
-         ("\n" + " " * 16 + "tma.async_copy_global_to_shared(a_desc, [off_n // 64, 0], ready.index(s), a_first, "
-          "pred=first)", ""),
-         ("amc = gl.expand_dims(a_rows.index(at).load(am_l), 0)", "amc = amc"),
-         ("""    mbarrier.wait(ready.index(s), (h // S) & 1)
-""", """    mbarrier.wait(ready.index(s), (h // S) & 1)
-    if COLS:
-        am = gl.expand_dims(a_bufs.index(s * (a_bufs.type.shape[0] // S) + ROW0 // R).load(am_l), 0)
-""")]
 # the runs that take an edited copy of the package, each text of nf4_rs.py that they name (found
-# once) replaced: "one", the second warpgroup's decode left out; "amconst", the transposed copy's
-# absmax never read (1.0); "fwdam", the forward's never loaded or shuffled (1.0); "along", above
-EDITS = {"one": [('DQ, LOOKUP, COLS, U, 64)', 'DQ, "", COLS, U, 64)')],
-         "amconst": [("amc = gl.expand_dims(a_rows.index(at).load(am_l), 0)",
-                      "amc = gl.expand_dims(gl.full([2, 4, 4, 2], 1.0, gl.float32, am_l), 0)")],
-         "fwdam": [('am = gl.inline_asm_elementwise("shfl.sync.idx.b32 $0, $1, $2, 0x1c03, -1;", "=r,r,r", '
-                    '[am4, t * 0 + u],\n' + " " * 39 + 'dtype=gl.float32, is_pure=True, pack=1)',
-                    "am = gl.full(am4.shape, 1.0, gl.float32, am4.type.layout)")],
-         "along": ALONG}
+# once) replaced: "one", the second warpgroup's decode left out; "amconst", the input gradient's
+# absmax never read (1.0)
+EDITS = {"one": [('GROUP, LOOKUP, COLS, U, 64)', 'GROUP, "", COLS, U, 64)')],
+         "amconst": [("am = gl.expand_dims(am, 0)",
+                      "am = gl.expand_dims(gl.full([2, 4, 4, 2], 1.0, gl.float32, am_l), 0)")]}
 
 
 def edited(root: str, edits: list) -> str:

@@ -168,15 +168,11 @@ def rs_report(trans=False, M=2048, N=4096, Kin=4096) -> str:
     from aner.kernels import nf4_rs as R
 
     rows, red = (Kin, N) if trans else (N, Kin)
-    absmax_t = torch.empty(rows // 64, red, dtype=torch.float32) if trans else None
     x_desc, c_desc, a_desc, o_desc, const, options = R.specialization(
         torch.empty(M, red, dtype=torch.bfloat16), torch.empty(rows, red // 8, dtype=torch.int32),
-        torch.empty(M, rows, dtype=torch.bfloat16), absmax_t)
+        torch.empty(M, rows, dtype=torch.bfloat16), torch.empty(Kin // 64, N, dtype=torch.float32), trans)
     descs = {"x_desc": x_desc, "c_desc": c_desc, "a_desc": a_desc, "o_desc": o_desc}
-    if a_desc is None:
-        const = dict(const, a_desc=None)
-        del descs["a_desc"]
-    kernel = gluon_compile(R._nf4_rs_kernel, descs, dict(const, DQ=True), options, {"nf4cb": "fp32", **POINTERS})
+    kernel = gluon_compile(R._nf4_rs_kernel, descs, const, options, {"nf4cb": "fp32"})
     loops, head = loops_and_head(kernel)
     sass = disassemble(kernel.asm["cubin"])[3]
     at = [int(a, 16) for a in re.findall(r"/\*([0-9a-f]{4,5})\*/\s+WARPGROUP\.ARRIVE", sass)]

@@ -242,35 +242,30 @@ HOPPER = not INTERPRET and torch.cuda.is_available() and torch.cuda.get_device_c
                                      ((136, 4096), 8192), ((49152, 576), 1000), ((576, 576), 8200)],
                          ids=lambda s: f"{s[0][0]}x{s[0][1]}-M{s[1]}")
 def test_warp_specialized_products(shape_m, double_quant, dtype):
-    """The default products where the Gluon kernels take them (nf4_rs forward, nf4_rs input
-    gradient through the transposed copy where it is made, else nf4_ws): tiles partial along every
-    dimension, one step (K = 64) and an odd number of steps (N = 136 and 576 backward), several
-    tiles a program."""
+    """The default products where the Gluon kernels take them (nf4_rs both ways where the transposed
+    copy is made, else nf4_ws): tiles partial along every dimension, one step (K = 64) and an odd
+    number of steps (N = 136 and 576 backward), several tiles a program."""
     from aner.kernels import nf4_rs, nf4_ws
     (N, Kin), M = shape_m
     _, p, W = packed((N, Kin), double_quant)
     x, g = randn(M, Kin, dtype=dtype), randn(M, N, dtype=dtype)
-    taken = [nf4_rs.supported(x, p), nf4_ws.supported(g, p, True)]
+    taken = [nf4_ws.supported(x, p, False), nf4_ws.supported(g, p, True)]
     assert (p.codes_t is not None) == (N % 64 == 0 and Kin % 64 == 0)
     assert any(taken)
-    if taken[0]:
-        poison(M, N, dtype=dtype)
-        y = K.nf4_matmul(x, p)
-        check_close(y, x.double() @ W.t(), x.double().abs() @ W.abs().t(), dtype, x)
-        assert torch.equal(y, K.nf4_matmul(x, p))
-        # one tile a program, and the other kernel's persistent grid: every output summed in the
-        # same order, to the same bits
-        assert torch.equal(y, nf4_rs.nf4_rs_matmul(x, p, programs=None))
-        assert torch.equal(y, nf4_ws.nf4_ws_matmul(x, p, False, programs=K.MULTIPROCESSORS))
-    if taken[1]:
-        poison(M, Kin, dtype=dtype)
-        dx = K.nf4_matmul_t(g, p)
-        check_close(dx, g.double() @ W, g.double().abs() @ W.abs(), dtype, g)
-        assert torch.equal(dx, K.nf4_matmul_t(g, p))
-        assert torch.equal(dx, nf4_ws.nf4_ws_matmul(g, p, True, programs=K.MULTIPROCESSORS))
-        if nf4_rs.supported(g, p, True):
-            assert torch.equal(dx, nf4_rs.nf4_rs_matmul(g, p, True, programs=None))
-    assert nf4_rs.supported(g, p, True) == (taken[1] and p.codes_t is not None)
+    for trans, a, want, scale, rows in [(False, x, x.double() @ W.t(), x.double().abs() @ W.abs().t(), N),
+                                        (True, g, g.double() @ W, g.double().abs() @ W.abs(), Kin)]:
+        assert nf4_rs.supported(a, p, trans) == (taken[trans] and p.codes_t is not None)
+        if not taken[trans]:
+            continue
+        poison(M, rows, dtype=dtype)
+        y = K.nf4_matmul_t(a, p) if trans else K.nf4_matmul(a, p)
+        check_close(y, want, scale, dtype, a)
+        assert torch.equal(y, K.nf4_matmul_t(a, p) if trans else K.nf4_matmul(a, p))
+        # the other kernel's persistent grid, and one tile a program: every output summed in the same
+        # order, to the same bits
+        assert torch.equal(y, nf4_ws.nf4_ws_matmul(a, p, trans, programs=K.MULTIPROCESSORS))
+        if nf4_rs.supported(a, p, trans):
+            assert torch.equal(y, nf4_rs.nf4_rs_matmul(a, p, trans, programs=None))
 
 
 @gpu_only

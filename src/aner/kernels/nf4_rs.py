@@ -12,24 +12,25 @@ handoff, no decode warps. The first operand being the weight, a program makes ti
                        operand registers while the MMA of the step before runs, issue its MMA
                        (FP32 accumulation), wait for the one before, free its ring slot
     loader    1 warp   a TMA ring, each slot a step's activation tile and the next step's code
-                       words: a step's words are read from shared memory a step before their decode
+                       words and absmax: read from shared memory a step before their decode
 
-The input gradient dx = g @ W is the same product of g and W^T, whose blocks run down its
-columns: it reads the device copy's transposed codes (`DevicePacked.codes_t`) and with each
-step's code words the FP32 absmax of the step's 64 columns (`absmax_t`, COLS), each element
-multiplied by its column's. That copy stores the 8 bytes a thread decodes of a row side by side,
-so a thread reads 8 bytes a row and step where W's own layout has each of a row's 4 lanes read all
-its 32.
+Both directions read their absmax, with each step's code words, from the transposed copy's FP32
+absmax (`DevicePacked.absmax_t`: a row a column of W's blocks, double quantization decoded once
+when the copy is made): the forward a step's 128 rows', each element multiplied by its row's. The
+input gradient dx = g @ W is the same product of g and W^T, whose blocks run down its columns: it
+reads the transposed codes (`DevicePacked.codes_t`) and the absmax of the step's 64 columns
+(COLS), each element multiplied by its column's. That copy stores the 8 bytes a thread decodes of
+a row side by side, so a thread reads 8 bytes a row and step where W's own layout has each of a
+row's 4 lanes read all its 32.
 
 An MMA's operand registers may not be written until a wait has seen it finish, and ptxas is not
 bound to keep them from other values: each step's are held past that wait (`_hold`), so two
 steps' operands are live at once, and a group's last MMA is waited for before the next group
 decodes (one left in flight around the loop, ptxas serializes every MMA for want of registers,
-and in the loop's body it puts that wait ahead of the next decode). The two warpgroups
-are separate partitions; in the forward a row's 4 lanes load the absmax of a group's 8 steps, two
-each, and shuffle them to the others. A thread of the operand layout holds, of each of its two
-rows and each 16 columns, columns 2t, 2t + 1, 2t + 8, 2t + 9 (t = lane % 4): byte t of each of the
-row's 8 code words. A code's value comes from the lane of its number (lane l holds codebook entry
+and in the loop's body it puts that wait ahead of the next decode). The two warpgroups are
+separate partitions. A thread of the operand layout holds, of each of its two rows and each 16
+columns, columns 2t, 2t + 1, 2t + 8, 2t + 9 (t = lane % 4): byte t of each of the row's 8 code
+words. A code's value comes from the lane of its number (lane l holds codebook entry
 l % 16; `_shuffle_lookup_asm`), is multiplied by its block's absmax in FP32 and rounded to the operand
 dtype: the operand bits are `NF4Weight.dequantize()` rounded, as in every other NF4 kernel, and
 each output is summed in ascending steps by one program, so the bits equal `nf4_ws`'s and the
@@ -46,7 +47,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from . import nf4_ws
 from .nf4 import MULTIPROCESSORS
-from .nf4_ws import _GL, _absmax, _at, _tile, layout
+from .nf4_ws import _GL, _at, _tile, layout
 
 BF = nf4_ws.BO      # output features a tile (128): two warpgroups of 64 rows
 BT = nf4_ws.BM      # tokens a tile (256)
@@ -88,6 +89,9 @@ _LOOKUP_IO = gl.constexpr("=r," * 4 + ",".join(["r"] * 40))     # 8 elements a c
 # stored (word // 2, t, word % 2, e): a thread's 4 of two words side by side (`nf4.transposed_copy`)
 _COLUMNS = gl.constexpr(gl.SharedLinearLayout([[0, 0, 0, 1], [0, 1, 0, 0], [0, 0, 1, 0], [0, 0, 2, 0], [0, 2, 0, 0],
                                                [1, 0, 0, 0]]))
+# the forward's: a step's absmax of 64 rows as the transposed copy stores them, (row // 16, row % 8 // 2,
+# row % 16 // 8, row % 2), read as rows
+_ROWS = gl.constexpr(gl.SharedLinearLayout([[1], [8], [2], [4], [16], [32]]))
 _PLAIN = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)     # its TMA tile as stored
 
 
@@ -95,13 +99,13 @@ _PLAIN = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
 def _loads(x_desc, c_desc, a_desc, x_bufs, c_bufs, a_bufs, c_first, a_first, ready, empty, M, N, steps,
            GROUP: gl.constexpr, COLS: gl.constexpr):
     """The loader warp: into slot h % S of the ring, step h's activation tile and step h + 1's code
-    words (with COLS and the absmax of its columns), so that the MMA warps read a step's words a step
-    before they decode it; the program's first step's come with its first slot, into c_first (a_first)."""
+    words and absmax (its rows', with COLS its columns'), so that the MMA warps read them a step
+    before they decode it; the program's first step's come with its first slot, into c_first and a_first."""
     S: gl.constexpr = x_bufs.type.shape[0]
     BTc: gl.constexpr = x_desc.block_type.shape[0]
     BFc: gl.constexpr = c_desc.block_type.shape[0]
     xbytes: gl.constexpr = x_desc.block_type.nbytes
-    wbytes: gl.constexpr = c_desc.block_type.nbytes + (a_desc.block_type.nbytes if COLS else 0)
+    wbytes: gl.constexpr = c_desc.block_type.nbytes + a_desc.block_type.nbytes
     tiles = gl.cdiv(M, BTc) * gl.cdiv(N, BFc)
     h = 0
     for tile in range(gl.program_id(0), tiles, gl.num_programs(0)):
@@ -120,10 +124,15 @@ def _loads(x_desc, c_desc, a_desc, x_bufs, c_bufs, a_bufs, c_first, a_first, rea
             tma.async_copy_global_to_shared(x_desc, [off_m, i * STEP], ready.index(s), x_bufs.index(s))
             tma.async_copy_global_to_shared(c_desc, [wn, wi * 8], ready.index(s), c_bufs.index(s), pred=ahead)
             tma.async_copy_global_to_shared(c_desc, [off_n, 0], ready.index(s), c_first, pred=first)
+            # the absmax of 128 outputs, two rows of a_desc: at (output // 64, step * 64) of the transposed
+            # copy's, or at (step * N / 64 + output // 64, 0) of it viewed as rows of 64
             if COLS:
                 tma.async_copy_global_to_shared(a_desc, [wn // 64, wi * STEP], ready.index(s), a_bufs.index(s),
                                                 pred=ahead)
-                tma.async_copy_global_to_shared(a_desc, [off_n // 64, 0], ready.index(s), a_first, pred=first)
+            else:
+                tma.async_copy_global_to_shared(a_desc, [wi * (N // 64) + wn // 64, 0], ready.index(s),
+                                                a_bufs.index(s), pred=ahead)
+            tma.async_copy_global_to_shared(a_desc, [off_n // 64, 0], ready.index(s), a_first, pred=first)
             h += 1
 
 
@@ -135,40 +144,35 @@ def _hold(a):
 
 
 @gluon.jit
-def _ahead(c_buf, a_rows, at, amc, read_l: gl.constexpr, words_l: gl.constexpr, am_l: gl.constexpr, COLS: gl.constexpr,
+def _ahead(c_buf, a_rows, at, read_l: gl.constexpr, words_l: gl.constexpr, am_l: gl.constexpr, COLS: gl.constexpr,
            ROW0: gl.constexpr):
     """A step's code words of the warpgroup's rows from c_buf, as (row, h, i): word 4 h + i, or with
-    COLS as (row, h, t): the register of byte t of words 4 h .. 4 h + 3; with COLS also the absmax
-    of its columns (the thread's (h, i, t, e) of the row of blocks) from a_rows.index(at), without
-    amc as given."""
+    COLS as (row, h, t): the register of byte t of words 4 h .. 4 h + 3; and its absmax from
+    a_rows.index(at): the thread's rows' (row, 1, 1, 1, 1), or with COLS its columns' (1, h, i, t, e)."""
     R: gl.constexpr = 64
     read = c_buf.slice(ROW0, R).load(read_l)
+    am = a_rows.index(at).load(am_l)
     if COLS:
         words = gl.permute(gl.reshape(read, [R, 4, 2]), (0, 2, 1))
-        amc = gl.expand_dims(a_rows.index(at).load(am_l), 0)
+        am = gl.expand_dims(am, 0)
     else:
         words = gl.reshape(read, [R, 2, 4])
-    return gl.convert_layout(words, words_l, assert_trivial=True), amc
+        am = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(am, 1), 2), 3), 4)
+    return gl.convert_layout(words, words_l, assert_trivial=True), am
 
 
 @gluon.jit
-def _issue(acc, h, am4, wn, amc, x_bufs, c_bufs, a_bufs, ready, t, e, cb, read_l: gl.constexpr, words_l: gl.constexpr,
-           am_l: gl.constexpr, a_l: gl.constexpr, LOOKUP: gl.constexpr, COLS: gl.constexpr, ROW0: gl.constexpr,
-           u: gl.constexpr):
-    """Step u of a group, its code words wn (with COLS and absmax amc) read a step before: its slot
-    waited for, the next step's read from it, its rows decoded into operand registers, its MMA
-    issued -> (acc, the operand, the slot, the next step's words and absmax)."""
+def _issue(acc, h, wn, am, x_bufs, c_bufs, a_bufs, ready, t, e, cb, read_l: gl.constexpr, words_l: gl.constexpr,
+           am_l: gl.constexpr, a_l: gl.constexpr, LOOKUP: gl.constexpr, COLS: gl.constexpr, ROW0: gl.constexpr):
+    """A step, its code words wn and absmax am read a step before: its slot waited for, the next
+    step's read from it, its rows decoded into operand registers, its MMA issued -> (acc, the
+    operand, the slot, the next step's words and absmax)."""
     S: gl.constexpr = x_bufs.type.shape[0]
     R: gl.constexpr = 64
     s = h % S
-    if COLS:
-        am = amc
-    else:           # the step's absmax from lane t = u of each row: a shuffle within each 4 lanes
-        am = gl.inline_asm_elementwise("shfl.sync.idx.b32 $0, $1, $2, 0x1c03, -1;", "=r,r,r", [am4, t * 0 + u],
-                                       dtype=gl.float32, is_pure=True, pack=1)
     mbarrier.wait(ready.index(s), (h // S) & 1)
     words = gl.expand_dims(gl.expand_dims(wn, 2 if COLS else 3), 4)
-    wn, amc = _ahead(c_bufs.index(s), a_bufs, s * (a_bufs.type.shape[0] // S) + ROW0 // R, amc, read_l, words_l, am_l,
+    wn, amc = _ahead(c_bufs.index(s), a_bufs, s * (a_bufs.type.shape[0] // S) + ROW0 // R, read_l, words_l, am_l,
                      COLS, ROW0)
     if LOOKUP == "":                # the decode left out (timing only)
         v = gl.broadcast(words + t + e, am)[0].to(x_bufs.dtype)     # am's dimensions: the lookup's shape
@@ -180,30 +184,18 @@ def _issue(acc, h, am4, wn, amc, x_bufs, c_bufs, a_bufs, ready, t, e, cb, read_l
 
 
 @gluon.jit
-def _steps(acc, h, k, am_next, am_next4, wn, amc, x_bufs, c_bufs, a_bufs, ready, empty, rows, blk, t, e, cb, absmax,
-           acodes, ascales, aoffset, dyncb, N, steps, read_l: gl.constexpr, words_l: gl.constexpr, am_l: gl.constexpr,
-           a_l: gl.constexpr, DQ: gl.constexpr, LOOKUP: gl.constexpr, COLS: gl.constexpr, ROW0: gl.constexpr,
-           U: gl.constexpr):
-    """Steps k .. k + U - 1 of a warpgroup: each decoded while the MMA of the one before runs, its
-    MMA issued before that one is waited for, the last waited for at the end; every step's operand
-    registers held until the wait that sees its MMA finish. `am_next` holds the absmax of the
-    group's blocks, step k + t's in lane t of each row, and with U = 8 `am_next4` step k + 4 + t's;
-    the next group's are loaded here (with COLS each step's come through the ring instead). Each
-    group ends waiting for its last MMA, so the longer the group the rarer that drain."""
-    gl.static_assert((U <= 4) | (U == 8))
-    am4 = am_next
-    am8 = am_next4
-    if not COLS:
-        am_next = _absmax(blk + k + U + t, (rows < N) & (k + U + t < steps), absmax, acodes, ascales, aoffset, dyncb,
-                          DQ)
-        if U == 8:
-            am_next4 = _absmax(blk + k + U + 4 + t, (rows < N) & (k + U + 4 + t < steps), absmax, acodes, ascales,
-                               aoffset, dyncb, DQ)
-    acc, a_prev, s_prev, wn, amc = _issue(acc, h, am4, wn, amc, x_bufs, c_bufs, a_bufs, ready, t, e, cb, read_l,
-                                          words_l, am_l, a_l, LOOKUP, COLS, ROW0, 0)
+def _steps(acc, h, wn, amc, x_bufs, c_bufs, a_bufs, ready, empty, t, e, cb, read_l: gl.constexpr,
+           words_l: gl.constexpr, am_l: gl.constexpr, a_l: gl.constexpr, LOOKUP: gl.constexpr, COLS: gl.constexpr,
+           ROW0: gl.constexpr, U: gl.constexpr):
+    """U steps of a warpgroup: each decoded while the MMA of the one before runs, its MMA issued
+    before that one is waited for, the last waited for at the end; every step's operand registers
+    held until the wait that sees its MMA finish. Each group ends waiting for its last MMA, so the
+    longer the group the rarer that drain."""
+    acc, a_prev, s_prev, wn, amc = _issue(acc, h, wn, amc, x_bufs, c_bufs, a_bufs, ready, t, e, cb, read_l, words_l,
+                                          am_l, a_l, LOOKUP, COLS, ROW0)
     for u in gl.static_range(1, U):
-        acc, a, s, wn, amc = _issue(acc, h + u, am4 if u < 4 else am8, wn, amc, x_bufs, c_bufs, a_bufs, ready, t, e,
-                                    cb, read_l, words_l, am_l, a_l, LOOKUP, COLS, ROW0, u % 4)
+        acc, a, s, wn, amc = _issue(acc, h + u, wn, amc, x_bufs, c_bufs, a_bufs, ready, t, e, cb, read_l, words_l,
+                                    am_l, a_l, LOOKUP, COLS, ROW0)
         acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
         _hold(a_prev)
         mbarrier.arrive(empty.index(s_prev))
@@ -212,13 +204,12 @@ def _steps(acc, h, k, am_next, am_next4, wn, amc, x_bufs, c_bufs, a_bufs, ready,
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
     _hold(a_prev)
     mbarrier.arrive(empty.index(s_prev))
-    return acc, h + U, k + U, am_next, am_next4, wn, amc
+    return acc, h + U, wn, amc
 
 
 @gluon.jit
-def _multiply(x_bufs, c_bufs, a_bufs, c_first, a_first, ready, empty, o_desc, o_buf, absmax, acodes, ascales, aoffset,
-              nf4cb, dyncb, M, N, K, steps, GROUP: gl.constexpr, DQ: gl.constexpr, LOOKUP: gl.constexpr,
-              COLS: gl.constexpr, U: gl.constexpr, ROW0: gl.constexpr):
+def _multiply(x_bufs, c_bufs, a_bufs, c_first, a_first, ready, empty, o_desc, o_buf, nf4cb, M, N, steps,
+              GROUP: gl.constexpr, LOOKUP: gl.constexpr, COLS: gl.constexpr, U: gl.constexpr, ROW0: gl.constexpr):
     """A warpgroup: rows ROW0 .. ROW0 + 63 of every tile of the program, its steps U at a time."""
     BTc: gl.constexpr = x_bufs.type.shape[1]
     BFc: gl.constexpr = c_bufs.type.shape[1]
@@ -245,7 +236,8 @@ def _multiply(x_bufs, c_bufs, a_bufs, c_first, a_first, ready, empty, o_desc, o_
         read_l: gl.constexpr = gl.DistributedLinearLayout(
             reg_bases=[[0, 1], [0, 2], [0, 4], [8, 0]], lane_bases=[[0, 0], [0, 0], [1, 0], [2, 0], [4, 0]],
             warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[R, 8])
-    am_l: gl.constexpr = gl.SliceLayout(0, w5)          # an absmax a column (COLS): (h, i, t, e)
+    # a step's absmax: a column's (COLS), (h, i, t, e); else a row's, (row,)
+    am_l: gl.constexpr = gl.SliceLayout(0, w5) if COLS else gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, w4)))
     t = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.arange(
         0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, w4)))), 0), 1), 2), 4)   # (1, 1, 1, 4, 1)
     e = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.arange(
@@ -254,35 +246,19 @@ def _multiply(x_bufs, c_bufs, a_bufs, c_first, a_first, ready, empty, o_desc, o_
         0, R, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, w4)))), 1), 2), 3), 4)  # (R, 1, 1, 1, 1)
     # lane l = t + 4 (row % 8) holds codebook entry l % 16
     cb = gl.load(nf4cb + t + 4 * (r % 4))
-    KB = K // 64
-    # the program's first step's words (and absmax: without COLS a placeholder), come with its first slot
+    # the program's first step's words and absmax come with its first slot
     mbarrier.wait(ready.index(0), 0)
-    wn, amc = _ahead(c_first, a_first, ROW0 // R, t * 0.0, read_l, words_l, am_l, COLS, ROW0)
+    wn, amc = _ahead(c_first, a_first, ROW0 // R, read_l, words_l, am_l, COLS, ROW0)
     h = 0
     for tile in range(gl.program_id(0), gl.cdiv(M, BTc) * gl.cdiv(N, BFc), gl.num_programs(0)):
         off_m, off_n = _tile(tile, M, N, BTc, BFc, GROUP)
-        rows = off_n + r
-        blk = rows.to(gl.int64) * KB
-        if COLS:
-            am_next = (rows * 0).to(gl.float32)     # not used
-        else:
-            am_next = _absmax(blk + t, (rows < N) & (t < steps), absmax, acodes, ascales, aoffset, dyncb, DQ)
-        am_next4 = am_next
         acc = gl.zeros((R, BTc), dtype=gl.float32, layout=acc_l)
-        k = 0
         for i in range(steps % U):          # the steps short of a whole group, one at a time
-            acc, h, k, am_next, am_next4, wn, amc = _steps(
-                acc, h, k, am_next, am_next4, wn, amc, x_bufs, c_bufs, a_bufs, ready, empty, rows, blk, t, e, cb,
-                absmax, acodes, ascales, aoffset, dyncb, N, steps, read_l, words_l, am_l, a_l, DQ, LOOKUP, COLS, ROW0,
-                1)
-        if (U == 8) & (not COLS):          # the absmax of steps k + 4 + t (lane t of each row)
-            am_next4 = _absmax(blk + k + 4 + t, (rows < N) & (k + 4 + t < steps), absmax, acodes, ascales, aoffset,
-                               dyncb, DQ)
+            acc, h, wn, amc = _steps(acc, h, wn, amc, x_bufs, c_bufs, a_bufs, ready, empty, t, e, cb, read_l, words_l,
+                                     am_l, a_l, LOOKUP, COLS, ROW0, 1)
         for i in range(steps // U):
-            acc, h, k, am_next, am_next4, wn, amc = _steps(
-                acc, h, k, am_next, am_next4, wn, amc, x_bufs, c_bufs, a_bufs, ready, empty, rows, blk, t, e, cb,
-                absmax, acodes, ascales, aoffset, dyncb, N, steps, read_l, words_l, am_l, a_l, DQ, LOOKUP, COLS, ROW0,
-                U)
+            acc, h, wn, amc = _steps(acc, h, wn, amc, x_bufs, c_bufs, a_bufs, ready, empty, t, e, cb, read_l, words_l,
+                                     am_l, a_l, LOOKUP, COLS, ROW0, U)
         # the tile transposed through shared memory, stored by TMA while the next tile runs
         tma.store_wait(0)
         o_buf.store(gl.permute(acc.to(o_buf.dtype), (1, 0)))
@@ -292,27 +268,24 @@ def _multiply(x_bufs, c_bufs, a_bufs, c_first, a_first, ready, empty, o_desc, o_
 
 
 @gluon.jit
-def _nf4_rs_kernel(x_desc, c_desc, a_desc, o_desc, absmax, acodes, ascales, aoffset, nf4cb, dyncb, M, N, K, steps,
-                   DQ: gl.constexpr, GROUP: gl.constexpr, S: gl.constexpr, LOOKUP: gl.constexpr, COLS: gl.constexpr,
-                   U: gl.constexpr):
-    """y = x @ W^T (with COLS: W the transposed copy, its absmax a column, from a_desc); a program
-    walks the tiles pid, pid + programs, ..., its steps numbered across them."""
+def _nf4_rs_kernel(x_desc, c_desc, a_desc, o_desc, nf4cb, M, N, steps, GROUP: gl.constexpr, S: gl.constexpr,
+                   LOOKUP: gl.constexpr, COLS: gl.constexpr, U: gl.constexpr):
+    """y = x @ W^T (with COLS: W the transposed copy, its absmax a column), the absmax from a_desc; a
+    program walks the tiles pid, pid + programs, ..., its steps numbered across them."""
     x_bufs = gl.allocate_shared_memory(x_desc.dtype, [S] + x_desc.block_type.shape, x_desc.layout)
     c_bufs = gl.allocate_shared_memory(c_desc.dtype, [S] + c_desc.block_type.shape, c_desc.layout)
     c_first = gl.allocate_shared_memory(c_desc.dtype, c_desc.block_type.shape, c_desc.layout)
+    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [S] + a_desc.block_type.shape, a_desc.layout)
+    a_first = gl.allocate_shared_memory(a_desc.dtype, a_desc.block_type.shape, a_desc.layout)
+    # the MMA partitions read each warpgroup's 64 absmax (of each slot) as a row of blocks (h, i, t, e)
+    # or as rows: the whole buffers reinterpreted, then indexed (Triton reinterprets no view)
+    A: gl.constexpr = a_desc.block_type.shape[0]          # 64 absmax each, a warpgroup's
     if COLS:
-        a_bufs = gl.allocate_shared_memory(a_desc.dtype, [S] + a_desc.block_type.shape, a_desc.layout)
-        a_first = gl.allocate_shared_memory(a_desc.dtype, a_desc.block_type.shape, a_desc.layout)
-        # the MMA partitions read each row of blocks (of each slot) as one of these (h, i, t, e): the
-        # whole buffers reinterpreted, then indexed (Triton reinterprets no view)
-        A: gl.constexpr = a_desc.block_type.shape[0]      # rows of blocks a tile
-        a_cols = a_bufs._reinterpret(gl.float32, [S * A, 2, 4, 4, 2], _COLUMNS)
-        a_cols_first = a_first._reinterpret(gl.float32, [A, 2, 4, 4, 2], _COLUMNS)
+        a_rows = a_bufs._reinterpret(gl.float32, [S * A, 2, 4, 4, 2], _COLUMNS)
+        a_rows_first = a_first._reinterpret(gl.float32, [A, 2, 4, 4, 2], _COLUMNS)
     else:
-        a_bufs = c_bufs                                   # not used
-        a_cols = c_bufs
-        a_first = c_first
-        a_cols_first = c_first
+        a_rows = a_bufs._reinterpret(gl.float32, [S * A, 64], _ROWS)
+        a_rows_first = a_first._reinterpret(gl.float32, [A, 64], _ROWS)
     o_bufs = gl.allocate_shared_memory(o_desc.dtype, [2] + o_desc.block_type.shape, o_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [S, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [S, 1], mbarrier.MBarrierLayout())
@@ -320,10 +293,10 @@ def _nf4_rs_kernel(x_desc, c_desc, a_desc, o_desc, absmax, acodes, ascales, aoff
         mbarrier.init(ready.index(s), count=1)
         mbarrier.init(empty.index(s), count=2)            # both warpgroups read a slot
     gl.warp_specialize([
-        (_multiply, (x_bufs, c_bufs, a_cols, c_first, a_cols_first, ready, empty, o_desc, o_bufs.index(0), absmax,
-                     acodes, ascales, aoffset, nf4cb, dyncb, M, N, K, steps, GROUP, DQ, LOOKUP, COLS, U, 0)),
-        (_multiply, (x_bufs, c_bufs, a_cols, c_first, a_cols_first, ready, empty, o_desc, o_bufs.index(1), absmax,
-                     acodes, ascales, aoffset, nf4cb, dyncb, M, N, K, steps, GROUP, DQ, LOOKUP, COLS, U, 64)),
+        (_multiply, (x_bufs, c_bufs, a_rows, c_first, a_rows_first, ready, empty, o_desc, o_bufs.index(0), nf4cb, M,
+                     N, steps, GROUP, LOOKUP, COLS, U, 0)),
+        (_multiply, (x_bufs, c_bufs, a_rows, c_first, a_rows_first, ready, empty, o_desc, o_bufs.index(1), nf4cb, M,
+                     N, steps, GROUP, LOOKUP, COLS, U, 64)),
         (_loads, (x_desc, c_desc, a_desc, x_bufs, c_bufs, a_bufs, c_first, a_first, ready, empty, M, N, steps, GROUP,
                   COLS)),
     ], [4, 1], [240, 24] if COLS else [232, 40])     # at 240: input gradient 1%-1.5% faster, forward ~0.6% slower
@@ -332,27 +305,24 @@ def _nf4_rs_kernel(x_desc, c_desc, a_desc, o_desc, absmax, acodes, ascales, aoff
 def supported(x: torch.Tensor, packed, trans: bool = False) -> bool:
     """Whether the kernel takes x @ W^T (x @ W with `trans`): where `nf4_ws` takes it (a Hopper GPU,
     FP16/BF16, whole NF4 blocks in every row, TMA-aligned rows of x, at least a wave of the same
-    256 x 128 tiles) and the output's rows are TMA-aligned too (N % 8 == 0); with `trans`, where
-    the packed copy has its transposed copy (`DevicePacked.codes_t`)."""
-    if trans:
-        return packed.codes_t is not None and nf4_ws.supported(x, packed, True)
-    return nf4_ws.supported(x, packed, False) and packed.shape[0] % 8 == 0
+    256 x 128 tiles) and the packed copy has its transposed copy (`DevicePacked.codes_t`: both
+    dimensions whole blocks), whose absmax both directions read."""
+    return packed.codes_t is not None and nf4_ws.supported(x, packed, trans)
 
 
-def specialization(x, words, out, absmax_t=None, stages=4, in_flight=8, skip=False):
-    """TMA descriptors of x (M, K), the (N, K / 8) int32 code words, the (N / 64, K) FP32 absmax a
-    column of a transposed copy (None: the codes' own blocks, along each row) and y (M, N); the
-    kernel's compile-time constants (but DQ) and its launch options: a ring `stages` deep, steps
-    `in_flight` (1-4 or 8) a group, and `skip` (timing only, wrong values) leaves the decode out. Host
-    tensors give what a compile-only report needs."""
+def specialization(x, words, out, absmax_t, trans, stages=4, in_flight=8, skip=False):
+    """TMA descriptors of x (M, K), the (N, K / 8) int32 code words, the transposed copy's (K_W / 64,
+    N_W) FP32 absmax (W's shape; `trans`: the input gradient's, whose columns run along N) and y
+    (M, N); the kernel's compile-time constants and its launch options: a ring `stages` deep, steps
+    `in_flight` a group, and `skip` (timing only, wrong values) leaves the decode out. Host tensors
+    give what a compile-only report needs."""
     dt = _GL[x.dtype]
     x_desc = TensorDescriptor.from_tensor(x, [BT, 64], layout((BT, 64), dt))
     c_desc = TensorDescriptor.from_tensor(words, [BF, 8], layout((BF, 8), gl.int32))
     o_desc = TensorDescriptor.from_tensor(out, [BT, 64], layout((BT, 64), dt))
-    cols = absmax_t is not None
-    a_desc = TensorDescriptor.from_tensor(absmax_t, [BF // 64, 64], _PLAIN) if cols else None
-    const = dict(GROUP=GROUP_M, S=stages, LOOKUP="" if skip else _shuffle_lookup_asm(_CVT[x.dtype], cols), COLS=cols,
-                 U=in_flight)
+    a_desc = TensorDescriptor.from_tensor(absmax_t if trans else absmax_t.view(-1, 64), [BF // 64, 64], _PLAIN)
+    const = dict(GROUP=GROUP_M, S=stages, LOOKUP="" if skip else _shuffle_lookup_asm(_CVT[x.dtype], trans),
+                 COLS=trans, U=in_flight)
     # 4 + 4 + 1 warps, the loader's padded to 4: 12 warps' registers at launch, then the kernel's split
     options = dict(num_warps=4, maxnreg=65536 // (32 * 12) // 8 * 8, enable_fp_fusion=False)
     return x_desc, c_desc, a_desc, o_desc, const, options
@@ -368,11 +338,8 @@ def nf4_rs_matmul(x, packed, trans=False, programs=MULTIPROCESSORS, **tiles):
     M = x.shape[0]
     out = torch.empty(M, N, device=x.device, dtype=x.dtype)
     words = (packed.codes_t if trans else packed.codes).view(torch.int32).view(N, K // 8)
-    x_desc, c_desc, a_desc, o_desc, const, options = specialization(
-        x, words, out, packed.absmax_t if trans else None, **tiles)
+    x_desc, c_desc, a_desc, o_desc, const, options = specialization(x, words, out, packed.absmax_t, trans, **tiles)
     count = -(-M // BT) * -(-N // BF)
-    _, absmax, acodes, ascales, aoffset, nf4cb, dyncb = packed._args()
     _nf4_rs_kernel[(min(count, programs or count),)](
-        x_desc, c_desc, a_desc, o_desc, absmax, acodes, ascales, aoffset, nf4cb, dyncb, M, N, K, K // STEP,
-        DQ=packed.double_quant, **const, **options)
+        x_desc, c_desc, a_desc, o_desc, packed.nf4_codebook, M, N, K // STEP, **const, **options)
     return out
