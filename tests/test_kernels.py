@@ -316,10 +316,10 @@ def test_transposed_copy(double_quant):
     assert codes_t.shape == (N * Kin // 2,) and absmax_t.shape == (Kin // 64, N)
     idx = unpack_nibbles(codes_t, N * Kin).view(Kin, N).long()
     # column n = 64 j + 8 word + 2 t + e of each row of blocks: its code stored at 64 j + 16 t + 2 word + e,
-    # its absmax at 64 j + 16 (word // 2) + 4 t + 2 (word % 2) + e
+    # its absmax at 64 j + 16 (word // 2) + 4 t + 2 e + word % 2
     word, t = n % 64 // 8, n % 8 // 2
     code_at = n // 64 * 64 + t * 16 + word * 2 + n % 2
-    at = n // 64 * 64 + word // 2 * 16 + t * 4 + word % 2 * 2 + n % 2
+    at = n // 64 * 64 + word // 2 * 16 + t * 4 + n % 2 * 2 + word % 2
     values = NF4_CODEBOOK[idx[:, code_at]] * absmax_t[:, at].repeat_interleave(64, dim=0)
     assert torch.equal(values, w.dequantize().t())
     p = K.DevicePacked.from_weight(w, DEV, transposed=True)      # made on a Hopper GPU only

@@ -134,10 +134,11 @@ def transposed_copy(weight: NF4Weight, codes: torch.Tensor) -> tuple[torch.Tenso
     # 4 threads of a row read 8 bytes each, not the row's 32 each
     codes_t = codes_t.view(K, N // NF4_BLOCK, 8, 4).transpose(2, 3).reshape(-1)
     absmax_t = weight.block_absmax(0, N * K // NF4_BLOCK).view(N, K // NF4_BLOCK).t()
-    # column 8 w + 2 t + e of each 64 stored at 16 (w // 2) + 4 t + 2 (w % 2) + e: the 16 that one
+    # column 8 w + 2 t + e of each 64 stored at 16 (w // 2) + 4 t + 2 e + w % 2: the 16 that one
     # thread of the operand layout multiplies by (t = lane % 4) in four 16-byte loads, each of which
-    # the 4 threads of a row make from separate banks
-    absmax_t = absmax_t.reshape(K // NF4_BLOCK, N // 64, 4, 2, 4, 2).permute(0, 1, 2, 4, 3, 5)
+    # the 4 threads of a row make from separate banks; in the forward, where the 64 are rows, the two
+    # rows of a thread (8 apart) side by side, one 8-byte load
+    absmax_t = absmax_t.reshape(K // NF4_BLOCK, N // 64, 4, 2, 4, 2).permute(0, 1, 2, 4, 5, 3)
     return codes_t, absmax_t.reshape(K // NF4_BLOCK, N).to(codes.device).contiguous()
 
 

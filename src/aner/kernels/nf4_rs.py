@@ -86,12 +86,12 @@ def _shuffle_lookup_asm(cvt: str, columns: bool) -> str:
 _CVT = {torch.bfloat16: "cvt.rn.bf16x2.f32", torch.float16: "cvt.rn.f16x2.f32"}
 _LOOKUP_IO = gl.constexpr("=r," * 4 + ",".join(["r"] * 40))     # 8 elements a call: 5 inputs of 8
 # the transposed copy's absmax of a step's 64 columns through the ring as (h, i, t, e) of word 4 h + i,
-# stored (word // 2, t, word % 2, e): a thread's 4 of two words side by side (`nf4.transposed_copy`)
-_COLUMNS = gl.constexpr(gl.SharedLinearLayout([[0, 0, 0, 1], [0, 1, 0, 0], [0, 0, 1, 0], [0, 0, 2, 0], [0, 2, 0, 0],
+# stored (word // 2, t, e, word % 2): a thread's 4 of two words side by side (`nf4.transposed_copy`)
+_COLUMNS = gl.constexpr(gl.SharedLinearLayout([[0, 1, 0, 0], [0, 0, 0, 1], [0, 0, 1, 0], [0, 0, 2, 0], [0, 2, 0, 0],
                                                [1, 0, 0, 0]]))
 # the forward's: a step's absmax of 64 rows as the transposed copy stores them, (row // 16, row % 8 // 2,
-# row % 16 // 8, row % 2), read as rows
-_ROWS = gl.constexpr(gl.SharedLinearLayout([[1], [8], [2], [4], [16], [32]]))
+# row % 2, row % 16 // 8), read as rows: a thread's two, rows r and r + 8, side by side
+_ROWS = gl.constexpr(gl.SharedLinearLayout([[8], [1], [2], [4], [16], [32]]))
 _PLAIN = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)     # its TMA tile as stored
 
 
