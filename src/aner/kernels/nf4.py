@@ -21,9 +21,9 @@ Numerics (identical to NF4Weight.dequantize(), bit for bit):
 
 The fused products (`nf4_matmul`, `nf4_matmul_t`) hold the decoded weight only as a tile in
 registers/shared memory inside a matmul program: there is no dense copy of W on the device. With
-no TileConfig given, a Hopper GPU runs the large FP16/BF16 ones through Gluon kernels: the forward
-through `nf4_rs.py` (the MMA warps decode into the MMA's register operand; `nf4_rs.supported`),
-and so the input gradient where the device copy holds W^T's codes too (`transposed_copy`, made
+no TileConfig given, a Hopper GPU runs the large FP16/BF16 ones through Gluon kernels: both
+through `nf4_rs.py` (the MMA warps decode into the MMA's register operand; `nf4_rs.supported`)
+where the device copy holds W^T's codes and the blocks' FP32 absmax too (`transposed_copy`, made
 for nf4_kernel="fused" on a Hopper GPU); the others through the warp-specialized kernels of
 `nf4_ws.py` (the decode in warps of its own beside the MMA's; `nf4_ws.supported`). The
 decoded products (`fused_nf4_linear(..., decoded=True)`, the profile's nf4_kernel="decoded")
@@ -76,14 +76,15 @@ class DevicePacked:
     absmax_offset: torch.Tensor | None          # (1,) float32
     nf4_codebook: torch.Tensor                  # (16,) float32
     dynamic8_codebook: torch.Tensor             # (256,) float32
-    # the transposed copy, for the input gradient with the weight as the MMA's register operand
+    # the transposed copy, for the products with the weight as the MMA's register operand: the input
+    # gradient reads its codes, both directions its absmax
     codes_t: torch.Tensor | None = None         # (K * N / 2,) uint8: W^T's codes (`transposed_copy`)
     absmax_t: torch.Tensor | None = None        # (K / 64, N) float32: block (n, b)'s in row b (`transposed_copy`)
 
     @classmethod
     def from_weight(cls, weight: NF4Weight, device, transposed: bool = False) -> "DevicePacked":
-        """The device copy; with `transposed`, also the transposed copy where the input gradient's
-        register-operand kernel runs (a Hopper GPU, both dimensions whole NF4 blocks)."""
+        """The device copy; with `transposed`, also the transposed copy where the register-operand
+        kernels run (a Hopper GPU, both dimensions whole NF4 blocks)."""
         if not isinstance(weight, NF4Weight):
             raise ConfigError(f"weight must be an NF4Weight, got {type(weight).__name__}")
         device = torch.device(device)

@@ -137,8 +137,9 @@ class Profile:
 
     @property
     def transposed_on_device(self) -> bool:
-        """Whether that copy also holds each matrix transposed, for the input gradients of the fused
-        kernels' register-operand form (made where a Hopper GPU runs it: `DevicePacked.from_weight`)."""
+        """Whether that copy also holds each matrix transposed, for the fused kernels' register-operand
+        form (its codes for the input gradient, its FP32 absmax for both directions; made where a
+        Hopper GPU runs it: `DevicePacked.from_weight`)."""
         return self.nf4_kernel == "fused"
 
     @property
