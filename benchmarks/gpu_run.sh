@@ -11,7 +11,7 @@
 #   kernels     benchmarks/nf4_kernels.py (fused NF4 against dense)  -> <date>-h200-nf4-kernels.json
 #               (KERNELS=--quick: the 4096 x 4096 points only; "--defaults --problems N,K,M ...": the default rows there)
 #   ws          benchmarks/nf4_ws.py (a warp-specialized NF4 product) -> <date>-h200-nf4-ws.json
-#   rs          benchmarks/nf4_rs.py (the NF4 forward with the weight as the MMA's register operand; RS="0 5": its
+#   rs          benchmarks/nf4_rs.py (the NF4 products with the weight as the MMA's register operand; RS="0 5": its
 #               variants 0 and 5, in that order)
 #                                                                     -> <date>-h200-nf4-rs.json
 #   barriers    benchmarks/nf4_rs_barriers.py (nf4_rs as compiled against its PTX without the MMA partitions'

@@ -77,25 +77,23 @@ def undecoded(d: int):
     edit_lookup(partial)
 
 
-# the runs that take an edited copy of the package, each text of nf4_rs.py that they name (found
-# once) replaced: "one", the second warpgroup's decode left out; "amconst", the input gradient's
-# absmax never read (1.0)
-EDITS = {"one": [('GROUP, LOOKUP, COLS, U, 64)', 'GROUP, "", COLS, U, 64)')],
-         "amconst": [("am = gl.expand_dims(am, 0)",
-                      "am = gl.expand_dims(gl.full([2, 4, 4, 2], 1.0, gl.float32, am_l), 0)")]}
+# the runs that take an edited copy of the package, the text of nf4_rs.py that they name (found once)
+# replaced: "one", the second warpgroup's decode left out; "amconst", the input gradient's absmax
+# never read (1.0)
+EDITS = {"one": ('GROUP, LOOKUP, COLS, U, 64)', 'GROUP, "", COLS, U, 64)'),
+         "amconst": ("am = gl.expand_dims(am, 0)",
+                     "am = gl.expand_dims(gl.full([2, 4, 4, 2], 1.0, gl.float32, am_l), 0)")}
 
 
-def edited(root: str, edits: list) -> str:
-    """A copy of the package under root whose nf4_rs.py has each (text, stand-in) of edits replaced."""
+def edited(root: str, old: str, new: str) -> str:
+    """A copy of the package under root whose nf4_rs.py has old's one occurrence replaced by new."""
     import aner
     src = os.path.dirname(os.path.dirname(aner.__file__))
     shutil.copytree(os.path.join(src, "aner"), os.path.join(root, "aner"))
     path = os.path.join(root, "aner", "kernels", "nf4_rs.py")
     text = open(path).read()
-    for old, new in edits:
-        assert text.count(old) == 1, old
-        text = text.replace(old, new)
-    open(path, "w").write(text)
+    assert text.count(old) == 1, old
+    open(path, "w").write(text.replace(old, new))
     return root
 
 
@@ -127,7 +125,7 @@ def main():
     runs = sys.argv[2:] or RUNS
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        package = {run: edited(os.path.join(tmp, run), EDITS[run]) for run in set(runs) & EDITS.keys()}
+        package = {run: edited(os.path.join(tmp, run), *EDITS[run]) for run in set(runs) & EDITS.keys()}
         for _ in range(2):
             for run in runs:
                 first = [package[run]] if run in package else []
