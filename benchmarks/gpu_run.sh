@@ -28,6 +28,8 @@
 #               time, each also without the decode), nf4_ws at 4096 x 4096 x 2048 (NCU="N K M" another shape);
 #               the input gradient: dense, nf4_rs through the transposed copy, and it without the decode
 #               -> nf4-profile.ncu-rep, -details.txt, -raw.csv, -sass.csv (the sampled stalls of each SASS line)
+#               and <date>-h200-nf4-profile.json (each launch's time, tensor pipe share, and by opcode its
+#               shared-memory wavefronts and sampled stalls)
 #   lora        benchmarks/lora_kernels.py (fused adapter kernels)   -> <date>-h200-lora-kernels.json
 #               (LORA=--sweep: the tile grid at every shape of a Llama-3.2-1B and Llama-3.1-8B update)
 #   adamw       benchmarks/adamw.py (ours against torch.optim.AdamW) -> <date>-h200-adamw.json
@@ -137,6 +139,8 @@ for stage in "$@"; do
          ncu -i "$OUT/nf4-profile.ncu-rep" --page details --print-details all > "$OUT/nf4-profile-details.txt"
          ncu -i "$OUT/nf4-profile.ncu-rep" --page raw --csv > "$OUT/nf4-profile-raw.csv"
          ncu -i "$OUT/nf4-profile.ncu-rep" --page source --csv --print-source sass > "$OUT/nf4-profile-sass.csv" 2>&1
+         python3 benchmarks/nf4_profile.py --summary "$OUT/nf4-profile-raw.csv" "$OUT/nf4-profile-sass.csv" \
+           "$OUT/$day-h200-nf4-profile.json"
          grep -E "^  [a-z_]|Duration|Throughput|Busy|Issue Slots|Warp Cycles|L2 Hit|Eligible" "$OUT/nf4-profile-details.txt" | head -n 120 ;;
     kernels) python3 benchmarks/nf4_kernels.py "$OUT/$day-h200-nf4-kernels.json" ${KERNELS:-} 2>&1 | tee "$OUT/nf4-kernels.log" | tail -n 40 ;;
     adamw) python3 benchmarks/adamw.py "$OUT/$day-h200-adamw.json" --device cuda:0 --models smollm2-135m llama-3.2-1b 2>&1 \

@@ -5,29 +5,116 @@ its decode), 4096 x 4096 at 2048 tokens (or N K M from the command line), for Ns
 profile (the profiler started around these nine launches only; `gpu_run.sh ncu`):
 
     ncu --clock-control none --profile-from-start off --set full -o rep python benchmarks/nf4_profile.py
+
+`--summary RAW SASS OUT` reads that report's raw page and SASS source page (as CSV) and writes
+OUT (JSON): for each launch its duration, instructions, the tensor pipe's active share, and, by
+opcode, instructions executed, shared-memory wavefronts (and the ideal count) and the sampled
+warp stalls, each a share of the launch's samples. Needs no GPU.
 """
+import collections
+import csv
+import json
+import re
 import sys
 
-import torch
+LABELS = ["dense forward", "nf4_rs forward", "nf4_rs forward, steps one at a time", "nf4_rs forward without the decode",
+          "nf4_rs forward without the decode, steps one at a time", "nf4_ws forward", "dense input gradient",
+          "nf4_rs input gradient", "nf4_rs input gradient without the decode"]
+RAW = {"us": "gpu__time_duration.sum", "instructions": "smsp__inst_executed.sum",
+       "tensor_pipe_active_pct": "sm__pipe_shared_cycles_active.avg.pct_of_peak_sustained_elapsed",
+       "shared_load_wavefronts": "l1tex__data_pipe_lsu_wavefronts_mem_shared_op_ld.sum"}
 
-from aner.kernels.nf4_rs import nf4_rs_matmul
-from aner.kernels.nf4_ws import nf4_ws_matmul
 
-import nf4_ws           # benchmarks/nf4_ws.py: the weights
+def launches():
+    import torch
 
-N, K, M = (int(v) for v in sys.argv[1:4]) if len(sys.argv) > 3 else (4096, 4096, 2048)
-p, Wd = nf4_ws.packed(N, K)
-wd = Wd.bfloat16()
-x, g = torch.randn(M, K, device="cuda").bfloat16(), torch.randn(M, N, device="cuda").bfloat16()
-launches = [lambda: x @ wd.t(), lambda: nf4_rs_matmul(x, p), lambda: nf4_rs_matmul(x, p, in_flight=1),
+    from aner.kernels.nf4_rs import nf4_rs_matmul
+    from aner.kernels.nf4_ws import nf4_ws_matmul
+
+    import nf4_ws           # benchmarks/nf4_ws.py: the weights
+
+    N, K, M = (int(v) for v in sys.argv[1:4]) if len(sys.argv) > 3 else (4096, 4096, 2048)
+    p, Wd = nf4_ws.packed(N, K)
+    wd = Wd.bfloat16()
+    x, g = torch.randn(M, K, device="cuda").bfloat16(), torch.randn(M, N, device="cuda").bfloat16()
+    return [lambda: x @ wd.t(), lambda: nf4_rs_matmul(x, p), lambda: nf4_rs_matmul(x, p, in_flight=1),
             lambda: nf4_rs_matmul(x, p, skip=True), lambda: nf4_rs_matmul(x, p, skip=True, in_flight=1),
             lambda: nf4_ws_matmul(x, p, False),
             lambda: g @ wd, lambda: nf4_rs_matmul(g, p, True), lambda: nf4_rs_matmul(g, p, True, skip=True)]
-for f in launches * 20:
-    f()
-torch.cuda.synchronize()
-torch.cuda.cudart().cudaProfilerStart()
-for f in launches:
-    f()
-torch.cuda.synchronize()
-torch.cuda.cudart().cudaProfilerStop()
+
+
+def profile():
+    import torch
+
+    runs = launches()
+    for f in runs * 20:
+        f()
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStart()
+    for f in runs:
+        f()
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStop()
+
+
+def _number(text: str) -> float:
+    try:
+        return float(text.replace(",", ""))
+    except ValueError:
+        return 0.0
+
+
+def _sass(path: str) -> list[dict]:
+    """Each launch's SASS lines as dicts, in launch order."""
+    out, header = [], None
+    for row in csv.reader(open(path)):
+        if not row:
+            continue
+        if row[0] == "Kernel Name":
+            out.append([])
+        elif row[0] == "Address":
+            header = row
+        elif header:
+            out[-1].append(dict(zip(header, row)))
+    return out
+
+
+def summary(raw_path: str, sass_path: str) -> dict:
+    raw = list(csv.reader(open(raw_path)))
+    columns = {name: i for i, name in enumerate(raw[0])}
+    kernels = {}
+    for label, row, lines in zip(LABELS, raw[2:], _sass(sass_path), strict=True):
+        entry = {key: _number(row[columns[metric]]) for key, metric in RAW.items()}
+        entry["kernel"] = row[columns["Kernel Name"]]
+        samples = sum(_number(line["Warp Stall Sampling (All Samples)"]) for line in lines)
+        ops = collections.defaultdict(collections.Counter)
+        for line in lines:
+            op = re.sub(r"^@!?U?P\w+\s+", "", line["Source"].strip()).split(" ")[0]
+            ops[op]["executed"] += _number(line["Instructions Executed"])
+            ops[op]["shared_wavefronts"] += _number(line.get("L1 Wavefronts Shared", "0"))
+            ops[op]["shared_wavefronts_ideal"] += _number(line.get("L1 Wavefronts Shared Ideal", "0"))
+            for name, value in line.items():
+                if name.startswith("stall_") and "(" not in name:
+                    ops[op][name] += _number(value)
+        entry["samples"] = samples
+        entry["opcodes"] = {}
+        for op, counts in sorted(ops.items(), key=lambda kv: -sum(v for k, v in kv[1].items() if k.startswith("stall_"))):
+            stalls = {k[6:]: round(100 * v / samples, 2) for k, v in counts.most_common() if k.startswith("stall_") and v}
+            if sum(stalls.values()) < 0.5 and not counts["shared_wavefronts"]:
+                continue
+            entry["opcodes"][op] = {"executed": counts["executed"], "shared_wavefronts": counts["shared_wavefronts"],
+                                    "shared_wavefronts_ideal": counts["shared_wavefronts_ideal"],
+                                    "samples_pct": round(sum(stalls.values()), 2), "stalls_pct": stalls}
+        kernels[label] = entry
+    return {"what": "Nsight Compute (--clock-control none --set full) of benchmarks/nf4_profile.py's nine launches: "
+                    "each launch's duration, instructions, tensor pipe share; by opcode its instructions, shared-memory "
+                    "wavefronts (and ideal) and sampled warp stalls as a share of the launch's samples",
+            "kernels": kernels}
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--summary"]:
+        raw_path, sass_path, out = sys.argv[2:5]
+        json.dump(summary(raw_path, sass_path), open(out, "w"), indent=1)
+    else:
+        profile()
