@@ -72,7 +72,8 @@
 #               (COMBOS="model:method ... [--rounds R]" narrows it; R rounds alternate the two sides)
 #   rsab        nf4_rs's forward and input gradient timed and checked as `partial`'s run 4 does, an earlier tree
 #               (OLD, as for ab) against this one, alternated ROUNDS times (default 2), one process each
-#                                                                     -> rsab.log, rsab-{old,new}-N.json
+#               (TREES="a b ...": those folders' trees in turn, the one named by $PWD "new", the others
+#               by folder name)                                       -> rsab.log, rsab-{old,new}-N.json
 #   ab          ours only, an earlier tree against this one, alternated ROUNDS times (default 2), one
 #               process each: OLD=a folder holding that tree's src/ and benchmarks/throughput.py
 #               (`bash benchmarks/carry.sh COMMIT` puts a commit's there: OLD=.whl/COMMIT) -> ab.log, ab-{old,new}-N.json
@@ -180,8 +181,8 @@ for stage in "$@"; do
     clocks) python3 benchmarks/update_clocks.py ${COMBO:-} 2>&1 | tee "$OUT/update-clocks.log" | grep -v "^   " ;;
     throughput) python3 benchmarks/throughput.py "$OUT/$day-h200.json" ${COMBOS:-} 2>&1 | tee "$OUT/throughput.log"
                 python3 benchmarks/throughput.py --table "$OUT/$day-h200.json" | tee -a "$OUT/throughput.log" ;;
-    rsab) for round in $(seq "${ROUNDS:-2}"); do for tree in "$OLD" "$PWD"; do
-            name=$([ "$tree" = "$PWD" ] && echo new || echo old)
+    rsab) for round in $(seq "${ROUNDS:-2}"); do for tree in ${TREES:-$OLD $PWD}; do
+            name=$(if [ "$tree" = "$PWD" ]; then echo new; elif [ -z "${TREES:-}" ]; then echo old; else basename "$tree"; fi)
             PYTHONPATH=/tmp/site:$tree/src:$PWD/benchmarks python3 benchmarks/nf4_rs_partial.py --run 4 \
               2>&1 > "$OUT/rsab-$name-$round.json" | sed "s/^/$name /"
           done; done | tee "$OUT/rsab.log" ;;
