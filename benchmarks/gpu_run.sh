@@ -73,7 +73,7 @@
 #   rsab        nf4_rs's forward and input gradient timed and checked as `partial`'s run 4 does, an earlier tree
 #               (OLD, as for ab) against this one, alternated ROUNDS times (default 2), one process each
 #               (TREES="a b ...": those folders' trees in turn, the one named by $PWD "new", the others
-#               by folder name)                                       -> rsab.log, rsab-{old,new}-N.json
+#               by folder name; a process stopped after 300 s)        -> rsab.log, rsab-{old,new}-N.json
 #   ab          ours only, an earlier tree against this one, alternated ROUNDS times (default 2), one
 #               process each: OLD=a folder holding that tree's src/ and benchmarks/throughput.py
 #               (`bash benchmarks/carry.sh COMMIT` puts a commit's there: OLD=.whl/COMMIT) -> ab.log, ab-{old,new}-N.json
@@ -183,7 +183,7 @@ for stage in "$@"; do
                 python3 benchmarks/throughput.py --table "$OUT/$day-h200.json" | tee -a "$OUT/throughput.log" ;;
     rsab) for round in $(seq "${ROUNDS:-2}"); do for tree in ${TREES:-$OLD $PWD}; do
             name=$(if [ "$tree" = "$PWD" ]; then echo new; elif [ -z "${TREES:-}" ]; then echo old; else basename "$tree"; fi)
-            PYTHONPATH=/tmp/site:$tree/src:$PWD/benchmarks python3 benchmarks/nf4_rs_partial.py --run 4 \
+            PYTHONPATH=/tmp/site:$tree/src:$PWD/benchmarks timeout 300 python3 benchmarks/nf4_rs_partial.py --run 4 \
               2>&1 > "$OUT/rsab-$name-$round.json" | sed "s/^/$name /"
           done; done | tee "$OUT/rsab.log" ;;
     ab) for round in $(seq "${ROUNDS:-2}"); do for tree in "$OLD" "$PWD"; do
