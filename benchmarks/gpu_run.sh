@@ -73,7 +73,7 @@
 #   rsab        nf4_rs's forward and input gradient timed and checked as `partial`'s run 4 does, an earlier tree
 #               (OLD, as for ab) against this one, alternated ROUNDS times (default 2), one process each
 #               (TREES="a b ...": those folders' trees in turn, the one named by $PWD "new", the others
-#               by folder name; a process stopped after 300 s)        -> rsab.log, rsab-{old,new}-N.json
+#               by folder name; a process stopped after 300 s)        -> rsab.log, rsab-{old|folder,new}-N.json
 #   ab          ours only, an earlier tree against this one, alternated ROUNDS times (default 2), one
 #               process each: OLD=a folder holding that tree's src/ and benchmarks/throughput.py
 #               (`bash benchmarks/carry.sh COMMIT` puts a commit's there: OLD=.whl/COMMIT) -> ab.log, ab-{old,new}-N.json
