@@ -64,30 +64,33 @@ def _number(text: str) -> float:
         return 0.0
 
 
-def _sass(path: str) -> list[dict]:
+def _sass(path: str) -> list[list[dict]]:
     """Each launch's SASS lines as dicts, in launch order."""
     out, header = [], None
-    for row in csv.reader(open(path)):
-        if not row:
-            continue
-        if row[0] == "Kernel Name":
-            out.append([])
-        elif row[0] == "Address":
-            header = row
-        elif header:
-            out[-1].append(dict(zip(header, row)))
+    with open(path) as f:
+        for row in csv.reader(f):
+            if not row:
+                continue
+            if row[0] == "Kernel Name":
+                out.append([])
+            elif row[0] == "Address":
+                header = row
+            elif header:
+                out[-1].append(dict(zip(header, row)))
     return out
 
 
 def summary(raw_path: str, sass_path: str) -> dict:
-    raw = list(csv.reader(open(raw_path)))
+    with open(raw_path) as f:
+        raw = list(csv.reader(f))
     columns = {name: i for i, name in enumerate(raw[0])}
     kernels = {}
     for label, row, lines in zip(LABELS, raw[2:], _sass(sass_path), strict=True):
         entry = {key: _number(row[columns[metric]]) for key, metric in RAW.items()}
         entry["kernel"] = row[columns["Kernel Name"]]
         samples = sum(_number(line["Warp Stall Sampling (All Samples)"]) for line in lines)
-        ops = collections.defaultdict(collections.Counter)
+        ops = collections.defaultdict(collections.Counter)      # by opcode: instructions, wavefronts
+        stalls = collections.defaultdict(collections.Counter)   # by opcode: sampled stalls by reason
         for line in lines:
             op = re.sub(r"^@!?U?P\w+\s+", "", line["Source"].strip()).split(" ")[0]
             ops[op]["executed"] += _number(line["Instructions Executed"])
@@ -95,16 +98,14 @@ def summary(raw_path: str, sass_path: str) -> dict:
             ops[op]["shared_wavefronts_ideal"] += _number(line.get("L1 Wavefronts Shared Ideal", "0"))
             for name, value in line.items():
                 if name.startswith("stall_") and "(" not in name:
-                    ops[op][name] += _number(value)
+                    stalls[op][name[6:]] += _number(value)
         entry["samples"] = samples
         entry["opcodes"] = {}
-        for op, counts in sorted(ops.items(), key=lambda kv: -sum(v for k, v in kv[1].items() if k.startswith("stall_"))):
-            stalls = {k[6:]: round(100 * v / samples, 2) for k, v in counts.most_common() if k.startswith("stall_") and v}
-            if sum(stalls.values()) < 0.5 and not counts["shared_wavefronts"]:
+        for op, counts in sorted(ops.items(), key=lambda kv: -stalls[kv[0]].total()):
+            pct = {k: round(100 * v / samples, 2) for k, v in stalls[op].most_common() if v}
+            if sum(pct.values()) < 0.5 and not counts["shared_wavefronts"]:
                 continue
-            entry["opcodes"][op] = {"executed": counts["executed"], "shared_wavefronts": counts["shared_wavefronts"],
-                                    "shared_wavefronts_ideal": counts["shared_wavefronts_ideal"],
-                                    "samples_pct": round(sum(stalls.values()), 2), "stalls_pct": stalls}
+            entry["opcodes"][op] = {**counts, "samples_pct": round(sum(pct.values()), 2), "stalls_pct": pct}
         kernels[label] = entry
     return {"what": "Nsight Compute (--clock-control none --set full) of benchmarks/nf4_profile.py's nine launches: "
                     "each launch's duration, instructions, tensor pipe share; by opcode its instructions, shared-memory "
