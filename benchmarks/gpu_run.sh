@@ -27,9 +27,10 @@
 #   ncu         benchmarks/nf4_profile.py under Nsight Compute (--set full): dense, nf4_rs (and its steps one at a
 #               time, each also without the decode), nf4_ws at 4096 x 4096 x 2048 (NCU="N K M" another shape);
 #               the input gradient: dense, nf4_rs through the transposed copy, and it without the decode
+#               (NF4_PROFILE=absmax: the input gradient's dense, nf4_rs, and it with 8 or 2 of a step's 16 absmax)
 #               -> nf4-profile.ncu-rep, -details.txt, -raw.csv, -sass.csv (the sampled stalls of each SASS line)
 #               and <date>-h200-nf4-profile.json (each launch's time, tensor pipe share, and by opcode its
-#               shared-memory wavefronts and sampled stalls)
+#               shared-memory wavefronts and sampled stalls; its most sampled SASS lines)
 #   lora        benchmarks/lora_kernels.py (fused adapter kernels)   -> <date>-h200-lora-kernels.json
 #               (LORA=--sweep: the tile grid at every shape of a Llama-3.2-1B and Llama-3.1-8B update)
 #   adamw       benchmarks/adamw.py (ours against torch.optim.AdamW) -> <date>-h200-adamw.json

@@ -9,17 +9,26 @@ profile (the profiler started around these nine launches only; `gpu_run.sh ncu`)
 `--summary RAW SASS OUT` reads that report's raw page and SASS source page (as CSV) and writes
 OUT (JSON): for each launch its duration, instructions, the tensor pipe's active share, and, by
 opcode, instructions executed, shared-memory wavefronts (and the ideal count) and the sampled
-warp stalls, each a share of the launch's samples. Needs no GPU.
+warp stalls, each a share of the launch's samples; and its most sampled SASS lines, each with
+its stalls. Needs no GPU.
+
+With NF4_PROFILE=absmax (both steps) the launches are the input gradient's only: dense, the
+kernel, and `nf4_rs_partial`'s runs "amhalf" and "amone" (each lookup's multiplies by 4 or 1 of
+its 8 absmax: timing only), which of a step's absmax loads and multiplies cost.
 """
 import collections
 import csv
 import json
+import os
 import re
 import sys
 
-LABELS = ["dense forward", "nf4_rs forward", "nf4_rs forward, steps one at a time", "nf4_rs forward without the decode",
-          "nf4_rs forward without the decode, steps one at a time", "nf4_ws forward", "dense input gradient",
-          "nf4_rs input gradient", "nf4_rs input gradient without the decode"]
+ABSMAX = os.environ.get("NF4_PROFILE") == "absmax"
+LABELS = (["dense input gradient", "nf4_rs input gradient", "nf4_rs input gradient, amhalf",
+           "nf4_rs input gradient, amone"] if ABSMAX else
+          ["dense forward", "nf4_rs forward", "nf4_rs forward, steps one at a time", "nf4_rs forward without the decode",
+           "nf4_rs forward without the decode, steps one at a time", "nf4_ws forward", "dense input gradient",
+           "nf4_rs input gradient", "nf4_rs input gradient without the decode"])
 RAW = {"us": "gpu__time_duration.sum", "instructions": "smsp__inst_executed.sum",
        "tensor_pipe_active_pct": "sm__pipe_shared_cycles_active.avg.pct_of_peak_sustained_elapsed",
        "shared_load_wavefronts": "l1tex__data_pipe_lsu_wavefronts_mem_shared_op_ld.sum"}
@@ -37,10 +46,29 @@ def launches():
     p, Wd = nf4_ws.packed(N, K)
     wd = Wd.bfloat16()
     x, g = torch.randn(M, K, device="cuda").bfloat16(), torch.randn(M, N, device="cuda").bfloat16()
+    if ABSMAX:
+        return [lambda: g @ wd, lambda: nf4_rs_matmul(g, p, True), _fewer_absmax(4, g, p), _fewer_absmax(1, g, p)]
     return [lambda: x @ wd.t(), lambda: nf4_rs_matmul(x, p), lambda: nf4_rs_matmul(x, p, in_flight=1),
             lambda: nf4_rs_matmul(x, p, skip=True), lambda: nf4_rs_matmul(x, p, skip=True, in_flight=1),
             lambda: nf4_ws_matmul(x, p, False),
             lambda: g @ wd, lambda: nf4_rs_matmul(g, p, True), lambda: nf4_rs_matmul(g, p, True, skip=True)]
+
+
+def _fewer_absmax(used: int, g, p):
+    """The input gradient with `nf4_rs_partial.fewer_absmax(used)`'s lookup, the kernel's restored after."""
+    from aner.kernels import nf4_rs
+    from aner.kernels.nf4_rs import nf4_rs_matmul
+
+    import nf4_rs_partial
+
+    def launch():
+        lookup = nf4_rs._shuffle_lookup_asm
+        nf4_rs_partial.fewer_absmax(used)
+        try:
+            return nf4_rs_matmul(g, p, True)
+        finally:
+            nf4_rs._shuffle_lookup_asm = lookup
+    return launch
 
 
 def profile():
@@ -100,6 +128,12 @@ def summary(raw_path: str, sass_path: str) -> dict:
                 if name.startswith("stall_") and "(" not in name:
                     stalls[op][name[6:]] += _number(value)
         entry["samples"] = samples
+        top = sorted(range(len(lines)), key=lambda i: -_number(lines[i]["Warp Stall Sampling (All Samples)"]))[:100]
+        entry["lines"] = [{"address": line["Address"], "source": line["Source"].strip(),
+                           "samples_pct": round(100 * _number(line["Warp Stall Sampling (All Samples)"]) / samples, 2),
+                           "stalls_pct": {name[6:]: round(100 * _number(v) / samples, 2) for name, v in line.items()
+                                          if name.startswith("stall_") and "(" not in name and _number(v)}}
+                          for line in (lines[i] for i in sorted(top))]
         entry["opcodes"] = {}
         for op, counts in sorted(ops.items(), key=lambda kv: -stalls[kv[0]].total()):
             pct = {k: round(100 * v / samples, 2) for k, v in stalls[op].most_common() if v}
@@ -107,9 +141,10 @@ def summary(raw_path: str, sass_path: str) -> dict:
                 continue
             entry["opcodes"][op] = {**counts, "samples_pct": round(sum(pct.values()), 2), "stalls_pct": pct}
         kernels[label] = entry
-    return {"what": "Nsight Compute (--clock-control none --set full) of benchmarks/nf4_profile.py's nine launches: "
+    return {"what": "Nsight Compute (--clock-control none --set full) of benchmarks/nf4_profile.py's launches: "
                     "each launch's duration, instructions, tensor pipe share; by opcode its instructions, shared-memory "
-                    "wavefronts (and ideal) and sampled warp stalls as a share of the launch's samples",
+                    "wavefronts (and ideal) and sampled warp stalls as a share of the launch's samples; its 100 most "
+                    "sampled SASS lines by address",
             "kernels": kernels}
 
 
