@@ -2,7 +2,7 @@
 (its default, its steps one at a time, and both without the decode), the warp-specialized one,
 then the input gradient (dense, the register-operand kernel through the transposed copy, without
 its decode), 4096 x 4096 at 2048 tokens (or N K M from the command line), for Nsight Compute to
-profile (the profiler started around these nine launches only; `gpu_run.sh ncu`):
+profile (the profiler started around these launches only; `gpu_run.sh ncu`):
 
     ncu --clock-control none --profile-from-start off --set full -o rep python benchmarks/nf4_profile.py
 
@@ -108,6 +108,15 @@ def _sass(path: str) -> list[list[dict]]:
     return out
 
 
+def _stalls(line: dict) -> dict:
+    """A SASS line's sampled stalls by reason (its `stall_*` columns, not the per-pipe breakdowns)."""
+    return {name[6:]: _number(v) for name, v in line.items() if name.startswith("stall_") and "(" not in name}
+
+
+def _samples(line: dict) -> float:
+    return _number(line["Warp Stall Sampling (All Samples)"])
+
+
 def summary(raw_path: str, sass_path: str) -> dict:
     with open(raw_path) as f:
         raw = list(csv.reader(f))
@@ -116,7 +125,7 @@ def summary(raw_path: str, sass_path: str) -> dict:
     for label, row, lines in zip(LABELS, raw[2:], _sass(sass_path), strict=True):
         entry = {key: _number(row[columns[metric]]) for key, metric in RAW.items()}
         entry["kernel"] = row[columns["Kernel Name"]]
-        samples = sum(_number(line["Warp Stall Sampling (All Samples)"]) for line in lines)
+        samples = sum(_samples(line) for line in lines)
         ops = collections.defaultdict(collections.Counter)      # by opcode: instructions, wavefronts
         stalls = collections.defaultdict(collections.Counter)   # by opcode: sampled stalls by reason
         for line in lines:
@@ -124,15 +133,12 @@ def summary(raw_path: str, sass_path: str) -> dict:
             ops[op]["executed"] += _number(line["Instructions Executed"])
             ops[op]["shared_wavefronts"] += _number(line.get("L1 Wavefronts Shared", "0"))
             ops[op]["shared_wavefronts_ideal"] += _number(line.get("L1 Wavefronts Shared Ideal", "0"))
-            for name, value in line.items():
-                if name.startswith("stall_") and "(" not in name:
-                    stalls[op][name[6:]] += _number(value)
+            stalls[op].update(_stalls(line))
         entry["samples"] = samples
-        top = sorted(range(len(lines)), key=lambda i: -_number(lines[i]["Warp Stall Sampling (All Samples)"]))[:100]
+        top = sorted(range(len(lines)), key=lambda i: -_samples(lines[i]))[:100]
         entry["lines"] = [{"address": line["Address"], "source": line["Source"].strip(),
-                           "samples_pct": round(100 * _number(line["Warp Stall Sampling (All Samples)"]) / samples, 2),
-                           "stalls_pct": {name[6:]: round(100 * _number(v) / samples, 2) for name, v in line.items()
-                                          if name.startswith("stall_") and "(" not in name and _number(v)}}
+                           "samples_pct": round(100 * _samples(line) / samples, 2),
+                           "stalls_pct": {k: round(100 * v / samples, 2) for k, v in _stalls(line).items() if v}}
                           for line in (lines[i] for i in sorted(top))]
         entry["opcodes"] = {}
         for op, counts in sorted(ops.items(), key=lambda kv: -stalls[kv[0]].total()):
